@@ -1,0 +1,468 @@
+"""One loaded image-generation engine: `Engine.load`, `generate`, `dispose`, `capabilities`.
+
+The engine keeps weights loaded (`free_params_immediately` off, so the same seed gives the same
+image every time) and runs with the settings under which the memory estimate was measured:
+flash attention in the diffusion model and direct VAE convolution. It validates everything
+before each native call, because the runtime aborts the process on some inputs; an abort
+costs the process, so the worker runs engines in a process that owns nothing else.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from PIL import Image
+
+from sdfarm.native import logs, memory
+from sdfarm.native.devices import Device, HostFigures, backend_name, gpu_figure
+from sdfarm.native.errors import (
+    EnginePoisonedError,
+    GenerationError,
+    ModelLoadError,
+    ModelTooLargeError,
+)
+from sdfarm.native.fitplan import FitPlan, plan_fit
+from sdfarm.native.models import Model
+from sdfarm.native.params import GenerationParams, validate
+
+ROLE_PARAMS = {
+    "checkpoint": "model_path",
+    "diffusion_model": "diffusion_model_path",
+    "clip_l": "clip_l_path",
+    "clip_g": "clip_g_path",
+    "t5xxl": "t5xxl_path",
+    "llm": "llm_path",
+    "vae": "vae_path",
+    "taesd": "taesd_path",
+}
+WARMUP = GenerationParams(prompt="warm-up", width=64, height=64, steps=1, seed=1)
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What this engine runs on and the figures its memory check used."""
+
+    backend: str  # the runtime's backend name, e.g. "CPU" or "Vulkan0"
+    device: str  # the compute device, e.g. "CPU", "Vulkan1"
+    device_type: str  # cpu / gpu / igpu / accel
+    sd_version: str
+    estimate: int  # bytes at the model's native size
+    native_size: tuple[int, int]
+    memory_check: str  # ok / warn / skip (refuse never loads)
+    figures: dict[str, int | None]
+    fit_plan: dict[str, Any]
+    threads: int
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+@dataclass
+class GenerationResult:
+    """Images (one per batch item) plus everything needed to reproduce and explain them."""
+
+    images: list[Image.Image]
+    params: GenerationParams
+    metadata: dict[str, Any]
+    records: list[logs.LogRecord] = field(default_factory=list)
+
+    @property
+    def image(self) -> Image.Image:
+        return self.images[0]
+
+
+@dataclass(frozen=True)
+class LogConfig:
+    """A record reaches the caller when it passes both `level` and `native_level` (default
+    none: nothing). Prompt text is redacted from records unless `log_prompts` is set."""
+
+    level: str = "none"
+    native_level: str | None = None
+    log_prompts: bool = False
+    ring_bytes: int = logs.RING_BYTES
+
+    @property
+    def native(self) -> str:
+        return self.native_level or self.level
+
+
+def _resolve_model(model: Model | str | os.PathLike[str] | Mapping[str, str]) -> Model:
+    if isinstance(model, Model):
+        return model
+    if isinstance(model, Mapping):
+        return Model.from_files(dict(model))
+    return Model.from_dir(Path(model))
+
+
+class Engine:
+    """A model loaded into the runtime. Not thread-safe: one caller at a time (the worker
+    gives each engine its own process)."""
+
+    _native_lock = threading.Lock()  # the runtime's callbacks and log ring are process-wide
+
+    def __init__(self) -> None:
+        raise TypeError("use Engine.load(model, ...)")
+
+    @classmethod
+    def load(
+        cls,
+        model: Model | str | os.PathLike[str] | Mapping[str, str],
+        *,
+        device: str = "auto",
+        check_memory: bool = True,
+        log: LogConfig | None = None,
+        threads: int | None = None,
+        figures: HostFigures | Callable[[], HostFigures] | None = None,
+        pinned: str | None = None,
+        warm_up: bool | None = None,
+        backend: str | None = None,
+    ) -> Engine:
+        """Check memory, plan the fit, load. `figures` injects the host's figures (or a probe
+        returning them); by default they are read in a short-lived subprocess. `pinned` names
+        the device sdfarm pinned this process to (the check then runs on its figures).
+        `warm_up` (default: on for GPUs) runs one tiny generation so the first job does not
+        pay for pipeline compilation."""
+        self = object.__new__(cls)
+        self._log = log or LogConfig()
+        logs.level_number(self._log.level)
+        logs.level_number(self._log.native)
+        self.model = _resolve_model(model)
+        self._ctx = None
+        self._poisoned: str | None = None
+        self._pending: list[logs.LogRecord] = []
+        self._seq = 0
+
+        if figures is None:
+            from sdfarm.native.probe import read_host_figures
+
+            figs = read_host_figures(backend)
+        else:
+            figs = figures() if callable(figures) else figures
+        w, h = self.model.native_size
+        estimate = memory.estimate_bytes(self.model.total_bytes, w, h, w * h)
+        verdict = memory.check_memory(estimate, figs, device, pinned=pinned, enabled=check_memory)
+        memory.raise_if_refused(verdict)
+        self._verdict = verdict
+        compute = verdict.compute_device or _fallback_device(figs)
+        work = memory.SEED_OVERHEAD
+        self.fit: FitPlan = plan_fit(
+            self.model.component_bytes(),
+            compute,
+            gpu_figure(compute) if compute.type != "cpu" else None,
+            work,
+        )
+
+        from sdfarm.native.binding import load as load_binding
+
+        self._ffi, self._lib = load_binding(backend)
+        self._threads = threads or max(1, (os.cpu_count() or 2))
+        self._scrub = logs.Scrubber(self.model.path_roles(), log_prompts=self._log.log_prompts)
+        if verdict.action == "warn":
+            self._pending.append(self._engine_record("warn", verdict.message))
+        self._pending.append(self._engine_record("info", f"fit plan: {self.fit.summary()}"))
+        self._env_device(compute, figs, pinned)
+
+        started = time.monotonic()
+        with Engine._native_lock:
+            self._lib.sdf_log_configure(
+                self._log.ring_bytes, min(logs.level_number(self._log.native), 3)
+            )
+            self._ctx = self._new_ctx()
+            raw = self._drain_raw()
+        load_s = time.monotonic() - started
+        if self._ctx == self._ffi.NULL:
+            self._ctx = None
+            errors = [r.message for r in raw if r.level == "error"]
+            raise ModelLoadError(
+                f"the runtime could not load model {self.model.name!r}: "
+                + ("; ".join(errors) if errors else "no error was logged"),
+                records=errors,
+            )
+        self._pending.extend(raw)
+        self.capabilities = Capabilities(
+            backend=backend_name(figs),
+            device=compute.name,
+            device_type=compute.type,
+            sd_version=self.sd_version(),
+            estimate=estimate,
+            native_size=(w, h),
+            memory_check=verdict.action,
+            figures=verdict.figures,
+            fit_plan=self.fit.as_dict(),
+            threads=self._threads,
+        )
+        self.load_seconds = load_s
+        self.warmup_seconds = 0.0
+        if warm_up if warm_up is not None else compute.type in ("gpu", "igpu"):
+            t = time.monotonic()
+            self._run(validate(WARMUP), progress=None)
+            self.warmup_seconds = time.monotonic() - t
+        return self
+
+    # -- native calls --------------------------------------------------------------------
+
+    def _new_ctx(self) -> Any:
+        ffi, lib = self._ffi, self._lib
+        p = ffi.new("sd_ctx_params_t*")
+        lib.sd_ctx_params_init(p)
+        keep = []
+        for role, mf in self.model.files.items():
+            s = ffi.new("char[]", str(mf.path).encode())
+            keep.append(s)
+            setattr(p, ROLE_PARAMS[role], s)
+        p.vae_decode_only = True
+        p.free_params_immediately = False
+        p.n_threads = self._threads
+        p.diffusion_flash_attn = True
+        # Direct VAE convolution keeps the full VAE's decode inside the estimate (facts:
+        # 3.14 vs 4.06 GiB at 512x512); TAESD's decode is small either way and runs 2x slower
+        # with it on the CPU (bench/estimate_growth.py measures both).
+        p.vae_conv_direct = "taesd" not in self.model.files
+        p.keep_clip_on_cpu = self.fit.keep_clip_on_cpu
+        p.keep_vae_on_cpu = self.fit.keep_vae_on_cpu
+        p.offload_params_to_cpu = self.fit.offload_params_to_cpu
+        p.max_vram = float(self.fit.max_vram)
+        lib.sdf_progress_reset()
+        return lib.new_sd_ctx(p)
+
+    def _env_device(self, compute: Device, figs: HostFigures, pinned: str | None) -> None:
+        """master-596 selects devices only through environment variables: point SD_VK_DEVICE
+        at the chosen Vulkan device unless the user or the worker already pinned one."""
+        if pinned or "SD_VK_DEVICE" in figs.env:
+            return
+        if compute.name.startswith("Vulkan"):
+            os.environ["SD_VK_DEVICE"] = compute.name[len("Vulkan") :]
+
+    def _run(
+        self, params: GenerationParams, progress: Callable[[int, int, float], None] | None
+    ) -> list[Image.Image]:
+        ffi, lib = self._ffi, self._lib
+        g = ffi.new("sd_img_gen_params_t*")
+        lib.sd_img_gen_params_init(g)
+        prompt = ffi.new("char[]", params.prompt.encode())
+        negative = ffi.new("char[]", params.negative_prompt.encode())
+        g.prompt = prompt
+        g.negative_prompt = negative
+        g.width, g.height = params.width, params.height
+        g.seed = params.seed
+        g.batch_count = params.batch_count
+        g.clip_skip = params.clip_skip
+        g.sample_params.sample_steps = params.steps
+        g.sample_params.guidance.txt_cfg = params.cfg_scale
+        if params.sampler != "default":
+            g.sample_params.sample_method = _enum_index(
+                lib.sd_sample_method_name, params.sampler, lib.SAMPLE_METHOD_COUNT, ffi
+            )
+        if params.scheduler != "default":
+            g.sample_params.scheduler = _enum_index(
+                lib.sd_scheduler_name, params.scheduler, lib.SCHEDULER_COUNT, ffi
+            )
+        lib.sdf_progress_reset()
+        done = threading.Event()
+        watcher = None
+        if progress is not None:
+            watcher = threading.Thread(
+                target=self._watch_progress, args=(progress, done), daemon=True
+            )
+            watcher.start()
+        try:
+            out = lib.generate_image(self._ctx, g)
+        finally:
+            done.set()
+            if watcher is not None:
+                watcher.join()
+        if out == ffi.NULL:
+            return []
+        images = []
+        try:
+            for i in range(params.batch_count):
+                img = out[i]
+                if img.data == ffi.NULL or img.width == 0 or img.height == 0:
+                    continue
+                n = img.width * img.height * img.channel
+                mode = {3: "RGB", 4: "RGBA", 1: "L"}.get(img.channel, "RGB")
+                images.append(
+                    Image.frombytes(mode, (img.width, img.height), bytes(ffi.buffer(img.data, n)))
+                )
+        finally:
+            for i in range(params.batch_count):
+                if out[i].data != ffi.NULL:
+                    lib.free(out[i].data)
+            lib.free(out)
+        return images
+
+    def _watch_progress(
+        self, progress: Callable[[int, int, float], None], done: threading.Event
+    ) -> None:
+        """Polls the shim's latest progress from a Python thread: the runtime's own thread
+        never calls into Python."""
+        ffi, lib = self._ffi, self._lib
+        step, steps, t, n = (
+            ffi.new("int*"),
+            ffi.new("int*"),
+            ffi.new("float*"),
+            ffi.new("uint64_t*"),
+        )
+        last = -1
+        while not done.wait(0.05):
+            lib.sdf_progress_get(step, steps, t, n)
+            if n[0] != last and steps[0] > 0:
+                last = n[0]
+                progress(step[0], steps[0], t[0])
+
+    # -- public API ----------------------------------------------------------------------
+
+    def generate(
+        self,
+        params: GenerationParams | None = None,
+        *,
+        progress: Callable[[int, int, float], None] | None = None,
+        **kwargs: Any,
+    ) -> GenerationResult:
+        """Generate `params` (or keyword arguments of GenerationParams). Raises
+        InvalidParameterError before any native call, ModelTooLargeError when the requested
+        size grows the estimate beyond what refuses a load, GenerationError quoting the
+        runtime's error records."""
+        if params is None:
+            params = GenerationParams(**kwargs)
+        elif kwargs:
+            raise TypeError("pass GenerationParams or keyword arguments, not both")
+        self._check_usable()
+        params = validate(params)
+        size_estimate = self.estimate_for(params.width, params.height)
+        limit = self._verdict.refuse_figure
+        if self._verdict.action != "skip" and limit is not None and size_estimate > limit:
+            raise ModelTooLargeError(
+                f"{params.width}x{params.height} needs an estimated "
+                f"{memory.format_bytes(size_estimate)} for {self.model.name!r} (the estimate "
+                f"grows above the native {self.capabilities.native_size[0]}x"
+                f"{self.capabilities.native_size[1]}); this host has "
+                f"{memory.format_bytes(limit)}",
+                size_estimate,
+                self._verdict.figures,
+            )
+        scrub = logs.Scrubber(
+            self.model.path_roles(),
+            (params.prompt, params.negative_prompt),
+            log_prompts=self._log.log_prompts,
+        )
+        started = time.monotonic()
+        with Engine._native_lock:
+            images = self._run(params, progress)
+            raw = self._drain_raw(scrub)
+        seconds = time.monotonic() - started
+        records = self._take_records(raw)
+        if not images:
+            errors = [r.message for r in raw if r.level == "error"]
+            if any("out of memory" in e.lower() or "device lost" in e.lower() for e in errors):
+                self._poisoned = "; ".join(errors)
+            raise GenerationError(
+                "the runtime returned no image"
+                + (": " + "; ".join(errors) if errors else " and logged no error"),
+                records=errors,
+            )
+        warnings = [r.message for r in raw if r.level == "warn"]
+        if self._verdict.action == "warn":
+            warnings.insert(0, self._verdict.message)
+        metadata = {
+            **params.as_dict(),
+            "model": self.model.name,
+            "backend": self.capabilities.backend,
+            "device": self.capabilities.device,
+            "sd_version": self.capabilities.sd_version,
+            "estimate": size_estimate,
+            "fit_plan": self.fit.as_dict(),
+            "warnings": warnings,
+            "timings": {"generate_s": round(seconds, 4)},
+        }
+        return GenerationResult(images, params, metadata, records)
+
+    def estimate_for(self, width: int, height: int) -> int:
+        w, h = self.capabilities.native_size
+        return memory.estimate_bytes(self.model.total_bytes, width, height, w * h)
+
+    def drain_load_records(self) -> list[logs.LogRecord]:
+        """Records of the load (and warm-up), once."""
+        return self._take_records([])
+
+    def dispose(self) -> list[logs.LogRecord]:
+        """Free the context; returns the records logged since the last drain."""
+        if self._ctx is not None:
+            with Engine._native_lock:
+                self._lib.free_sd_ctx(self._ctx)
+                self._ctx = None
+                raw = self._drain_raw()
+            self._poisoned = self._poisoned or "disposed"
+            return self._take_records(raw)
+        return self._take_records([])
+
+    @property
+    def poisoned(self) -> str | None:
+        """Why this engine refuses work (a GPU error state, or disposed), else None."""
+        return self._poisoned
+
+    def sd_version(self) -> str:
+        return self._ffi.string(self._lib.sd_version()).decode()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.dispose()
+
+    # -- logs ----------------------------------------------------------------------------
+
+    def _check_usable(self) -> None:
+        if self._ctx is None or self._poisoned:
+            raise EnginePoisonedError(
+                f"engine for {self.model.name!r} cannot generate ({self._poisoned or 'not loaded'})"
+                "; load the model again"
+            )
+
+    def _engine_record(self, level: str, text: str) -> logs.LogRecord:
+        return logs.LogRecord(0, level, logs.PREFIX + text, "engine")
+
+    def _drain_raw(self, scrub: logs.Scrubber | None = None) -> list[logs.LogRecord]:
+        """Empty the shim's ring (under the native lock) into scrubbed records."""
+        ffi, lib = self._ffi, self._lib
+        cap = max(self._log.ring_bytes, 1 << 16) + 64
+        buf = ffi.new("uint8_t[]", cap)
+        dropped = ffi.new("uint64_t*")
+        raw: list[tuple[int, int, int, str]] = []
+        total_dropped = 0
+        while True:
+            n = lib.sdf_log_drain(buf, cap, dropped)
+            total_dropped += int(dropped[0])
+            if n == 0:
+                break
+            raw.extend(logs.parse_ring(bytes(ffi.buffer(buf, n))))
+        records = logs.to_records(raw, scrub or self._scrub)
+        if total_dropped:
+            first = raw[0][0] if raw else 0
+            records.insert(0, logs.dropped_record(total_dropped, first, self._log.ring_bytes))
+        return records
+
+    def _take_records(self, raw: list[logs.LogRecord]) -> list[logs.LogRecord]:
+        out = logs.visible(self._pending + raw, self._log.level, self._log.native)
+        self._pending = []
+        return out
+
+
+def _fallback_device(figs: HostFigures) -> Device:
+    for d in figs.devices:
+        if d.type == "cpu":
+            return d
+    return Device(0, "CPU", "CPU", "cpu", figs.mem_available or 0, figs.mem_available or 0)
+
+
+def _enum_index(name_of: Callable[[int], Any], name: str, count: int, ffi: Any) -> int:
+    for i in range(count):
+        if ffi.string(name_of(i)).decode() == name:
+            return i
+    raise GenerationError(f"the runtime has no {name!r}")

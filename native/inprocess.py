@@ -1,0 +1,88 @@
+"""`sdfarm generate --in-process`: one engine in this process, no Redis, no farm.
+
+This is the baseline the farm is measured against, and the quickest way to try a model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from sdfarm.native.catalog import resolve
+from sdfarm.native.engine import Engine, LogConfig
+from sdfarm.native.params import GenerationParams, validate
+from sdfarm.native.png import png_bytes
+
+
+def params_from_args(args: argparse.Namespace) -> GenerationParams:
+    return GenerationParams(
+        prompt=args.prompt,
+        negative_prompt=args.negative_prompt,
+        width=args.width,
+        height=args.height,
+        steps=args.steps,
+        seed=args.seed,
+        cfg_scale=args.cfg_scale,
+        sampler=args.sampler,
+        scheduler=args.scheduler,
+        batch_count=args.batch_count,
+    )
+
+
+def _progress_printer(enabled: bool):
+    if not enabled:
+        return None
+
+    def show(step: int, steps: int, seconds: float) -> None:
+        print(f"\rstep {step}/{steps} ({seconds:.2f} s/it)", end="", file=sys.stderr, flush=True)
+
+    return show
+
+
+def generate_in_process(args: argparse.Namespace) -> dict[str, Any]:
+    """Validate (before anything native), load, generate, write the PNG(s); return the JSON
+    document that `--json` prints."""
+    params = validate(params_from_args(args))
+    log = LogConfig(level=args.log_level, log_prompts=args.log_prompts)
+    model = resolve(args.model, args.models)
+    t0 = time.monotonic()
+    engine = Engine.load(
+        model,
+        device=args.device,
+        check_memory=not args.no_check_memory,
+        log=log,
+        threads=args.threads,
+    )
+    load_s = time.monotonic() - t0
+    records = engine.drain_load_records()
+    try:
+        result = engine.generate(params, progress=_progress_printer(not args.json))
+        if not args.json:
+            print(file=sys.stderr)
+        records += result.records
+    finally:
+        records += engine.dispose()
+    t1 = time.monotonic()
+    out = Path(args.output)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    outputs = []
+    for i, image in enumerate(result.images):
+        path = out if i == 0 else out.with_name(f"{out.stem}-{i}{out.suffix}")
+        path.write_bytes(png_bytes(image, result.metadata))
+        outputs.append(str(path))
+    meta = dict(result.metadata)
+    meta["timings"] = {
+        **meta["timings"],
+        "load_s": round(load_s, 4),
+        "encode_s": round(time.monotonic() - t1, 4),
+    }
+    return {
+        "output": outputs[0],
+        "outputs": outputs,
+        **meta,
+        "capabilities": engine.capabilities.as_dict(),
+        "records": [r.as_dict() for r in records],
+    }

@@ -1,0 +1,53 @@
+"""PNG encoding with the generation parameters in a text chunk.
+
+The chunk holds only what made the image (prompt, seed, size, steps, sampler, model, runtime
+version), never timings or hosts, so the same seed gives the same PNG bytes everywhere.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from collections.abc import Mapping
+from typing import Any
+
+from PIL import Image, PngImagePlugin
+
+PARAM_KEYS = (
+    "prompt",
+    "negative_prompt",
+    "width",
+    "height",
+    "steps",
+    "seed",
+    "cfg_scale",
+    "sampler",
+    "scheduler",
+    "clip_skip",
+    "model",
+    "sd_version",
+)
+
+
+def png_bytes(image: Image.Image, params: Mapping[str, Any], compress_level: int = 1) -> bytes:
+    """Encode `image`; `params` goes into an `sdfarm` iTXt chunk as JSON plus an A1111-style
+    `parameters` chunk that common image viewers show. Level 1 keeps encoding off the
+    critical path (about 4x faster than the default level 6 for a few percent more bytes)."""
+    kept = {k: params[k] for k in PARAM_KEYS if k in params}
+    info = PngImagePlugin.PngInfo()
+    info.add_itxt("sdfarm", json.dumps(kept, sort_keys=True))
+    line = ", ".join(f"{k}: {kept[k]}" for k in PARAM_KEYS if k in kept and "prompt" not in k)
+    info.add_itxt(
+        "parameters",
+        f"{kept.get('prompt', '')}\nNegative prompt: {kept.get('negative_prompt', '')}\n{line}",
+    )
+    buf = io.BytesIO()
+    image.save(buf, format="PNG", pnginfo=info, compress_level=compress_level)
+    return buf.getvalue()
+
+
+def read_params(data: bytes) -> dict[str, Any]:
+    """The parameters stored by png_bytes (empty when absent)."""
+    with Image.open(io.BytesIO(data)) as im:
+        text = im.text.get("sdfarm") if hasattr(im, "text") else None
+    return json.loads(text) if text else {}

@@ -1,0 +1,168 @@
+"""The tiny random-weight Ovis-Image model that the runtime really loads.
+
+No weights can be downloaded on the machines that test sdfarm, so the end-to-end tests and
+`sdfarm make-test-model DIR` build one: a Flux-style DiT (one double and one single block,
+hidden 128), a one-layer Qwen3 text encoder (vocabulary kept at 151936 to cover the runtime's
+built-in tokenizer) and a TAESD decoder for 16-channel latents. The runtime infers every size
+from the tensor shapes, listed in `data/ovis-tiny-tensors.json` (PyTorch order, names without
+sd.cpp's per-role prefixes).
+
+Two folders are written, both loadable as models (`Model.from_dir`):
+- `tiny-f16/`: safetensors, 2-D and larger tensors f16, 1-D f32;
+- `tiny-q8_0/`: GGUF, 2-D and larger tensors q8_0 where the row length is a multiple of 32
+  (else f16), 1-D f32: the quantised path through the runtime.
+
+Weights are deterministic (each tensor from its own seeded generator), so the bytes are the
+same on every run and every machine: norm gains 1, biases 0, other weights N(0, 1/fan_in),
+which keeps activations finite through the random network (it draws noise, per seed).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import zlib
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import numpy as np
+
+TENSORS_JSON = Path(__file__).parent / "data" / "ovis-tiny-tensors.json"
+SEED = 20261129
+NATIVE_SIZE = (256, 256)
+# Component in the JSON -> (file stem, role).
+PARTS: dict[str, tuple[str, str]] = {
+    "dit": ("dit", "diffusion_model"),
+    "llm": ("llm", "llm"),
+    "tae": ("taesd", "taesd"),
+}
+Q8_0_BLOCK = 32
+VARIANTS = ("tiny-f16", "tiny-q8_0")
+
+
+def tensor_specs() -> dict[str, dict[str, tuple[int, ...]]]:
+    """{component: {tensor name: shape}} from the shipped JSON, names sorted."""
+    doc = json.loads(TENSORS_JSON.read_text(encoding="utf-8"))
+    return {part: {n: tuple(doc[part][n]) for n in sorted(doc[part])} for part in PARTS}
+
+
+def init_weight(part: str, name: str, shape: tuple[int, ...]) -> np.ndarray:
+    """One tensor's float32 initial value: norm gains 1, biases 0, other weights N(0, 1/fan_in)
+    with fan_in the product of all dims but the first. The generator is seeded from the
+    component and the name, so a tensor does not depend on the order it is made in."""
+    if len(shape) == 1 and "norm" in name:
+        return np.ones(shape, dtype=np.float32)
+    if name.endswith(".bias"):
+        return np.zeros(shape, dtype=np.float32)
+    fan_in = int(np.prod(shape[1:])) if len(shape) > 1 else 1
+    rng = np.random.default_rng([SEED, zlib.crc32(f"{part}/{name}".encode())])
+    w = rng.standard_normal(shape, dtype=np.float32)
+    w *= np.float32(1.0 / np.sqrt(fan_in))
+    return w
+
+
+def _weights(part: str, specs: dict[str, tuple[int, ...]]) -> Iterator[tuple[str, np.ndarray]]:
+    for name, shape in specs.items():
+        yield name, init_weight(part, name, shape)
+
+
+def _write_atomically(path: Path, write: Callable[[Path], object]) -> None:
+    """Write through a hidden temporary file then rename, so a reader (or a crash) never
+    sees half a model file and a second run replaces the first cleanly."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        write(tmp)
+        # The safetensors writer creates files readable by their owner only; workers may run
+        # as another user, and these weights are no secret.
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+def _write_safetensors(path: Path, part: str, specs: dict[str, tuple[int, ...]]) -> None:
+    from safetensors.numpy import save_file
+
+    tensors = {
+        name: (w.astype(np.float16) if w.ndim >= 2 else w) for name, w in _weights(part, specs)
+    }
+    # One key only: the safetensors library writes __metadata__ from a hash map, whose order
+    # (and so the file's bytes) changes from run to run when it holds more than one entry.
+    metadata = {"sdfarm": f"tiny random-weight test model, seed {SEED}"}
+    _write_atomically(path, lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
+
+
+def _write_gguf(path: Path, part: str, specs: dict[str, tuple[int, ...]]) -> None:
+    import gguf
+    from gguf.quants import quantize
+
+    q8_0 = gguf.GGMLQuantizationType.Q8_0
+
+    def write(tmp: Path) -> None:
+        writer = gguf.GGUFWriter(str(tmp), arch=f"sdfarm-tiny-{PARTS[part][0]}")
+        writer.add_name("sdfarm tiny random-weight test model")
+        for name, w in _weights(part, specs):
+            if w.ndim >= 2 and w.shape[-1] % Q8_0_BLOCK == 0:
+                # quantize() returns uint8 rows of blocks; the writer derives the element
+                # shape from those bytes and, like for plain arrays, reverses the numpy
+                # shape into ggml's dims, so the dims read back equal the safetensors shape.
+                writer.add_tensor(name, quantize(w, q8_0), raw_dtype=q8_0)
+            elif w.ndim >= 2:
+                writer.add_tensor(name, w.astype(np.float16))
+            else:
+                writer.add_tensor(name, w)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+
+    _write_atomically(path, write)
+
+
+def _write_manifest(folder: Path, suffix: str) -> None:
+    manifest = {
+        "files": {role: f"{stem}{suffix}" for stem, role in PARTS.values()},
+        "native_size": list(NATIVE_SIZE),
+    }
+    text = json.dumps(manifest, indent=2) + "\n"
+    _write_atomically(folder / "model.json", lambda tmp: tmp.write_text(text, encoding="utf-8"))
+
+
+def make_test_model(out_dir: str | os.PathLike[str]) -> list[Path]:
+    """Write `out_dir/tiny-f16/` and `out_dir/tiny-q8_0/` (three weight files and a
+    model.json each) and return the two folders. Idempotent: the same bytes every run."""
+    out = Path(out_dir)
+    specs = tensor_specs()
+    folders = []
+    for variant, suffix, writer in (
+        ("tiny-f16", ".safetensors", _write_safetensors),
+        ("tiny-q8_0", ".gguf", _write_gguf),
+    ):
+        folder = out / variant
+        folder.mkdir(parents=True, exist_ok=True)
+        for part, (stem, _role) in PARTS.items():
+            writer(folder / f"{stem}{suffix}", part, specs[part])
+        _write_manifest(folder, suffix)
+        folders.append(folder)
+    return folders
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m sdfarm.native.testmodel DIR`: write the model and print each file's size."""
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        print("usage: python -m sdfarm.native.testmodel DIR", file=sys.stderr)
+        return 2
+    for folder in make_test_model(args[0]):
+        files = sorted(p for p in folder.iterdir() if p.suffix in (".safetensors", ".gguf"))
+        total = sum(p.stat().st_size for p in files)
+        print(f"{folder.name}: {total:,} bytes")
+        for p in files:
+            print(f"  {p.name}: {p.stat().st_size:,} bytes")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

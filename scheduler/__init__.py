@@ -1,0 +1,1 @@
+"""sdfarm.scheduler: registry, placement, dispatch, the client (`Farm`) and the `sdfarm` CLI."""

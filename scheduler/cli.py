@@ -1,0 +1,233 @@
+"""The `sdfarm` command line. Every command has `--json`: one JSON document on stdout and
+nothing else (human-readable progress goes to stderr)."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+EXIT_INVALID, EXIT_TOO_LARGE, EXIT_LOAD, EXIT_GENERATE, EXIT_FARM = 2, 3, 4, 5, 6
+
+
+@contextlib.contextmanager
+def stdout_reserved(enabled: bool) -> Iterator[Any]:
+    """With --json, file descriptor 1 is pointed at stderr while native code runs, so
+    nothing the runtime or a backend prints can corrupt the one JSON document; the yielded
+    stream writes to the real stdout."""
+    if not enabled:
+        yield sys.stdout
+        return
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    real = os.fdopen(os.dup(saved), "w")
+    try:
+        yield real
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+        real.flush()
+        real.close()
+
+
+def emit(doc: dict[str, Any], out: Any = None) -> None:
+    out = out or sys.stdout
+    out.write(json.dumps(doc, default=str) + "\n")
+    out.flush()
+
+
+def error_doc(exc: BaseException) -> dict[str, Any]:
+    doc: dict[str, Any] = {"type": type(exc).__name__, "message": str(exc)}
+    for attr in ("parameter", "estimate", "figures", "role", "records"):
+        if getattr(exc, attr, None) not in (None, [], {}):
+            doc[attr] = getattr(exc, attr)
+    return {"error": doc}
+
+
+def exit_code(exc: BaseException) -> int:
+    from sdfarm.native import errors
+
+    return {
+        errors.InvalidParameterError: EXIT_INVALID,
+        errors.ModelTooLargeError: EXIT_TOO_LARGE,
+        errors.ModelLoadError: EXIT_LOAD,
+        errors.GenerationError: EXIT_GENERATE,
+        errors.EnginePoisonedError: EXIT_GENERATE,
+    }.get(type(exc), 1)
+
+
+def fail(args: argparse.Namespace, exc: BaseException, out: Any = None) -> int:
+    if getattr(args, "json", False):
+        emit(error_doc(exc), out)
+    else:
+        print(f"error: {exc}", file=sys.stderr)
+    return exit_code(exc)
+
+
+# -- native commands ------------------------------------------------------------------------
+
+
+def cmd_build(args: argparse.Namespace) -> int:
+    from sdfarm.native import build
+
+    return build.run(args)
+
+
+def cmd_devices(args: argparse.Namespace) -> int:
+    from sdfarm.native.devices import format_bytes
+    from sdfarm.native.report import devices_report
+
+    doc = devices_report(args.backend)
+    if args.json:
+        emit(doc)
+        return 0
+    for d in doc["devices"]:
+        print(
+            f"{d['name']:<10} {d['type']:<5} {format_bytes(d['free']):>11} free of "
+            f"{format_bytes(d['total']):>11}  figure {format_bytes(d['figure'])}  "
+            f"{d['description']}"
+        )
+    print(f"MemAvailable {format_bytes(doc['mem_available'])}")
+    print(
+        f"auto -> {doc['choice']['auto']}, gpu -> {doc['choice']['gpu']}; "
+        f"backend {doc['backend']} ({doc['sd_version']})"
+    )
+    return 0
+
+
+def cmd_make_test_model(args: argparse.Namespace) -> int:
+    from sdfarm.native.testmodel import make_test_model
+
+    dirs = make_test_model(Path(args.dir))
+    if args.json:
+        emit({"models": [str(d) for d in dirs]})
+    else:
+        for d in dirs:
+            print(d)
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    if not args.in_process:
+        from sdfarm.scheduler.cli_farm import generate_on_farm
+
+        return generate_on_farm(args)
+    from sdfarm.native.inprocess import generate_in_process
+
+    with stdout_reserved(args.json) as out:
+        try:
+            doc = generate_in_process(args)
+        except Exception as exc:  # noqa: BLE001 - every failure becomes a clear message
+            from sdfarm.native.errors import EngineError
+
+            if not isinstance(exc, EngineError | ValueError | OSError):
+                raise
+            return fail(args, exc, out)
+        if args.json:
+            emit(doc, out)
+        else:
+            print(
+                f"{doc['output']}: seed {doc['seed']}, {doc['width']}x{doc['height']}, "
+                f"{doc['steps']} steps, {doc['timings']['generate_s']:.2f} s on "
+                f"{doc['device']}",
+                file=out,
+            )
+            for r in doc["records"]:
+                print(f"[{r['level']}] {r['message']}", file=sys.stderr)
+    return 0
+
+
+# -- parser ---------------------------------------------------------------------------------
+
+
+def add_generation_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("prompt")
+    p.add_argument("--model", required=True, help="a model name (from --models) or folder")
+    p.add_argument(
+        "--models",
+        action="append",
+        default=[],
+        help="a directory of models, one per subfolder (also $SDFARM_MODELS)",
+    )
+    p.add_argument("-o", "--output", default="out.png")
+    p.add_argument("--negative-prompt", default="")
+    p.add_argument("--width", type=int, default=256)
+    p.add_argument("--height", type=int, default=256)
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--seed", type=int, default=-1)
+    p.add_argument("--cfg-scale", type=float, default=1.0)
+    p.add_argument("--sampler", default="default")
+    p.add_argument("--scheduler", default="default")
+    p.add_argument("--batch-count", type=int, default=1)
+    p.add_argument("--device", default="auto", help="auto, gpu, cpu or a device name")
+    p.add_argument("--log-level", default="none", help="none, error, warn, info or debug")
+    p.add_argument(
+        "--log-prompts",
+        action="store_true",
+        help="keep prompt text in log records (redacted by default)",
+    )
+    p.add_argument(
+        "--no-check-memory",
+        action="store_true",
+        help="load without the memory check (and without its warning)",
+    )
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--json", action="store_true")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="sdfarm", description="A render farm for stable-diffusion.cpp")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    from sdfarm.native import build
+
+    b = sub.add_parser("build", help="build the runtime (cached)")
+    build.add_arguments(b)
+    b.set_defaults(func=cmd_build)
+
+    d = sub.add_parser("devices", help="this host's devices and memory figures")
+    d.add_argument("--backend", default=None)
+    d.add_argument("--json", action="store_true")
+    d.set_defaults(func=cmd_devices)
+
+    m = sub.add_parser("make-test-model", help="write the tiny random-weight test model")
+    m.add_argument("dir")
+    m.add_argument("--json", action="store_true")
+    m.set_defaults(func=cmd_make_test_model)
+
+    g = sub.add_parser("generate", help="generate one image")
+    add_generation_arguments(g)
+    g.add_argument(
+        "--in-process",
+        action="store_true",
+        help="run the engine in this process, without a farm or Redis",
+    )
+    g.add_argument("--redis", default=None, help="the farm's Redis URL")
+    g.set_defaults(func=cmd_generate)
+
+    try:
+        from sdfarm.scheduler.cli_farm import add_farm_commands
+    except ImportError:
+        pass
+    else:
+        add_farm_commands(sub)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

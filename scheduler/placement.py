@@ -1,0 +1,352 @@
+"""Where a job runs: a pure function of the farm's state, as Ollama's scheduler does it.
+
+The scheduler loop reads heartbeats from Redis, turns them into `DeviceState`s and asks
+`place(job, devices, now)` where the next job goes. Nothing here does I/O, reads a clock or
+keeps state between calls, so every rule is a row in a scenario table
+(`tests/unit/test_placement.py`) and a standby scheduler that takes over decides exactly as the
+old leader would have on the same state.
+
+Tiers, best first, per alive device that accepts work (SPEC "scheduler: placement across hosts"):
+
+1. ``loaded``        the model is already loaded here: no load, no warm-up.
+2. ``fits``          the estimate fits the device's compute figure as it is now.
+3. ``fits-evicting`` it fits the compute figure once idle, unpinned engines are evicted
+                     (least recently used first, only as many as needed).
+4. ``slow-path``     it fits only the slower path (the host's discrete GPUs + MemAvailable, parts
+                     of the model staying in system memory), again counting evictable engines.
+
+Then no tier: the device cannot take the job now.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+MiB = 1024 * 1024
+GiB = 1024 * MiB
+
+DEVICE_TYPES = frozenset({"cpu", "gpu", "igpu"})
+
+TIER_LOADED = "loaded"
+TIER_FITS = "fits"
+TIER_FITS_EVICTING = "fits-evicting"
+TIER_SLOW_PATH = "slow-path"
+TIERS = (TIER_LOADED, TIER_FITS, TIER_FITS_EVICTING, TIER_SLOW_PATH)
+"""Best first; a tier's index is its rank."""
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    """An engine a worker holds, as its heartbeat reports it.
+
+    `estimate` is the bytes the engine holds on its device (what evicting it gives back).
+    Busy engines (running a job) and pinned engines (keep-alive forever) are never evicted;
+    `idle_since` (the worker's clock, seconds) orders eviction: least recently used first.
+    """
+
+    name: str
+    estimate: int
+    busy: bool = False
+    pinned: bool = False
+    idle_since: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.estimate < 0:
+            raise ValueError(f"loaded model {self.name!r}: negative estimate {self.estimate}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeviceState:
+    """One device of one host, as the registry last saw it (keyword-only: the registry builds
+    these from heartbeats by name, and tests spell out only what a scenario is about).
+
+    - `compute_figure`: bytes a new model may use on this device now (the GPU's figure, or
+      MemAvailable for a CPU device), already capped by the worker's --memory-limit.
+    - `slow_figure`: the host's discrete GPUs' figures + MemAvailable, the slower path where
+      parts stay in system memory; equal to `compute_figure` for a CPU device.
+    - `loaded`: the engines this device's worker holds.
+    - `queued`: jobs already sent to this device and not finished (running ones included);
+      the dispatcher counts a job it has just sent before the next heartbeat arrives.
+    - `backlog_limit`: how many such jobs the device may hold; late binding keeps it small so
+      one slow device never hoards a batch.
+    - `alive`: heartbeat is fresh. `accepting`: the worker takes new jobs (not draining).
+    - `capacity`: the figure the device would have if emptied (free + what its own engines
+      hold): a job above every figure now but within a capacity waits instead of failing.
+    """
+
+    host: str
+    device: str
+    type: str
+    compute_figure: int
+    slow_figure: int
+    capacity: int
+    loaded: tuple[LoadedModel, ...] = ()
+    queued: int = 0
+    backlog_limit: int = 2
+    alive: bool = True
+    accepting: bool = True
+
+    def __post_init__(self) -> None:
+        if self.type not in DEVICE_TYPES:
+            raise ValueError(f"{self.key}: device type {self.type!r} not one of cpu/gpu/igpu")
+        for name in ("compute_figure", "slow_figure", "capacity", "queued", "backlog_limit"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{self.key}: negative {name} {getattr(self, name)}")
+
+    @property
+    def key(self) -> str:
+        """The device's name across the farm, and the last tie-break (so placement is
+        deterministic whatever order the registry lists devices in)."""
+        return f"{self.host}/{self.device}"
+
+    @property
+    def has_room(self) -> bool:
+        """Whether the bounded backlog takes one more job."""
+        return self.queued < self.backlog_limit
+
+    @property
+    def slow_capacity(self) -> int:
+        """The slower path's figure if this device were emptied: what its engines hold comes
+        back to the slow path too (for a CPU device this equals `capacity`)."""
+        return self.slow_figure + max(0, self.capacity - self.compute_figure)
+
+
+@dataclass(frozen=True)
+class JobRequest:
+    """What placement needs of a job: the model's name and its estimate in bytes (the seed's
+    rule, grown with the image size by the client). Priority and submitter do not change where
+    a job goes, only when (`fairness.py`); they ride along for the reasons and logs."""
+
+    model: str
+    estimate: int
+    priority: int = 5
+    submitter: str = ""
+
+    def __post_init__(self) -> None:
+        if self.estimate < 0:
+            raise ValueError(f"job for {self.model!r}: negative estimate {self.estimate}")
+
+
+@dataclass(frozen=True)
+class Placed:
+    """Send the job to `device` ("host/device"); the worker evicts `evict` first, in order
+    (it would pick the same engines by LRU; naming them lets the scheduler log and check it)."""
+
+    device: str
+    tier: str
+    evict: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Wait:
+    """No device can take the job now but one could later: keep it in the central queue."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
+class Figures:
+    """One device's figures as a Refuse reports them."""
+
+    device: str
+    type: str
+    compute_figure: int
+    slow_figure: int
+    capacity: int
+    slow_capacity: int
+
+
+@dataclass(frozen=True)
+class Refuse:
+    """Nothing could ever fit: fail the job at once. `reason` names the estimate and every
+    device's figures; `figures` holds the same numbers for --json and the gateway."""
+
+    reason: str
+    figures: tuple[Figures, ...]
+
+
+Outcome = Placed | Wait | Refuse
+
+
+def fmt_bytes(n: int) -> str:
+    """Bytes as GiB with two decimals: the unit users compare against `nvidia-smi` and `free`."""
+    return f"{n / GiB:.2f} GiB"
+
+
+def figures_of(device: DeviceState) -> Figures:
+    """The numbers a Refuse reports for `device`."""
+    return Figures(
+        device=device.key,
+        type=device.type,
+        compute_figure=device.compute_figure,
+        slow_figure=device.slow_figure,
+        capacity=device.capacity,
+        slow_capacity=device.slow_capacity,
+    )
+
+
+def figures_table(devices: Sequence[DeviceState]) -> str:
+    """Every device's figures on one line each, sorted by key, so a refused user sees which
+    device came closest and by how much (the seed's rule: name the estimate and every figure)."""
+    if not devices:
+        return "(no devices)"
+    lines = []
+    for d in sorted(devices, key=lambda d: d.key):
+        lines.append(
+            f"{d.key} ({d.type}): compute {fmt_bytes(d.compute_figure)}, "
+            f"slow path {fmt_bytes(d.slow_figure)}, capacity {fmt_bytes(d.capacity)}, "
+            f"slow-path capacity {fmt_bytes(d.slow_capacity)}"
+        )
+    return "\n".join(lines)
+
+
+def _evictable(device: DeviceState, now: float) -> list[LoadedModel]:
+    """Idle, unpinned engines, least recently used first (ties by name).
+
+    `idle_since` comes from the worker's clock on another host; the age is clamped at zero
+    against the scheduler's `now`, so a stamp from a clock running ahead counts as just used
+    rather than as the oldest engine.
+    """
+    idle = [m for m in device.loaded if not m.busy and not m.pinned]
+    return sorted(idle, key=lambda m: (-max(0.0, now - m.idle_since), m.name))
+
+
+def _evict_to_fit(
+    figure: int, estimate: int, candidates: list[LoadedModel]
+) -> tuple[str, ...] | None:
+    """The shortest LRU prefix of `candidates` whose eviction makes `estimate` fit `figure`;
+    () when it fits already, None when evicting all of them is still not enough."""
+    freed = 0
+    evicted: list[str] = []
+    for model in candidates:
+        if figure + freed >= estimate:
+            break
+        freed += model.estimate
+        evicted.append(model.name)
+    if figure + freed >= estimate:
+        return tuple(evicted)
+    return None
+
+
+@dataclass(frozen=True)
+class _Option:
+    """A device's best tier for a job, with the evictions it needs."""
+
+    device: DeviceState
+    tier: str
+    evict: tuple[str, ...]
+
+    def rank(self) -> tuple[int, bool, int, int, str]:
+        """Best first: tier, then (within the slow path) no eviction over eviction, then the
+        SPEC's ties: least queued work, most free memory, and the key for determinism."""
+        return (
+            TIERS.index(self.tier),
+            bool(self.evict),
+            self.device.queued,
+            -self.device.compute_figure,
+            self.device.key,
+        )
+
+
+def tier_for(
+    job: JobRequest, device: DeviceState, now: float
+) -> tuple[str, tuple[str, ...]] | None:
+    """The best tier `device` offers `job` now and the engines to evict for it, or None.
+
+    Backlog room is not looked at here: a full device still has a tier, which decides whether
+    the job waits for it (see `place`).
+    """
+    if any(m.name == job.model for m in device.loaded):
+        return TIER_LOADED, ()
+    candidates = _evictable(device, now)
+    evict = _evict_to_fit(device.compute_figure, job.estimate, candidates)
+    if evict == ():
+        return TIER_FITS, ()
+    if evict is not None:
+        return TIER_FITS_EVICTING, evict
+    evict = _evict_to_fit(device.slow_figure, job.estimate, candidates)
+    if evict is not None:
+        return TIER_SLOW_PATH, evict
+    return None
+
+
+def place(job: JobRequest, devices: Sequence[DeviceState], now: float) -> Outcome:
+    """Where `job` goes now: `Placed`, `Wait` (keep it queued) or `Refuse` (fail it at once).
+
+    Only alive devices count; of those, only accepting devices with backlog room
+    (queued < backlog_limit) can take the job now. The rules, in order:
+
+    1. No alive device: Wait("no workers"), since a worker may join.
+    2. A device that has the model loaded and has room: the best of them.
+    3. The model is loaded somewhere but every such device's backlog is full: the job goes to a
+       device with room where it fits without eviction (tier ``fits``), so a batch spreads
+       over idle devices instead of queueing behind one; if there is none, it waits for the
+       device that holds the model rather than evicting someone's engine or taking the slow
+       path (both cost a load and the holder frees up within `backlog_limit` jobs).
+    4. Otherwise the best tier among devices with room, even if a device with a better tier
+       is full: no device holds the model, so every choice pays a load anyway and waiting
+       would only add latency.
+    5. Some device has a tier but none has room (or accepts): Wait.
+    6. No device has a tier now, but the estimate fits some alive device's capacity or
+       slow-path capacity (the device emptied, e.g. once busy or pinned engines go): Wait.
+    7. Otherwise Refuse, naming the estimate and every alive device's figures.
+
+    Ties within a tier: a device that needs no eviction first (only matters on the slow path),
+    then least queued work, then most free memory (compute figure), then the device key.
+    `now` is the scheduler's clock, used for the engines' idle ages (eviction order).
+    """
+    alive = [d for d in devices if d.alive]
+    if not alive:
+        return Wait("no workers: no alive device has sent a heartbeat")
+
+    options: list[_Option] = []
+    for device in alive:
+        if not device.accepting:
+            continue
+        found = tier_for(job, device, now)
+        if found is not None:
+            options.append(_Option(device, found[0], found[1]))
+
+    ready = sorted((o for o in options if o.device.has_room), key=_Option.rank)
+    holders = [o for o in options if o.tier == TIER_LOADED]
+
+    if holders:
+        if ready and ready[0].tier == TIER_LOADED:
+            return _placed(ready[0])
+        no_eviction = [o for o in ready if o.tier == TIER_FITS]
+        if no_eviction:
+            return _placed(no_eviction[0])
+        keys = ", ".join(sorted(o.device.key for o in holders))
+        return Wait(f"{job.model} is loaded on {keys}, whose backlog is full; waiting for it")
+
+    if ready:
+        return _placed(ready[0])
+
+    if options:
+        keys = ", ".join(sorted(o.device.key for o in options))
+        return Wait(f"every device that can take {job.model} is busy (backlog full): {keys}")
+
+    if any(job.estimate <= max(d.capacity, d.slow_capacity) for d in alive):
+        roomy = ", ".join(
+            sorted(d.key for d in alive if job.estimate <= max(d.capacity, d.slow_capacity))
+        )
+        return Wait(
+            f"{job.model} (estimate {fmt_bytes(job.estimate)}) fits no device now; "
+            f"waiting for engines to be freed on {roomy}"
+        )
+
+    figures = tuple(figures_of(d) for d in sorted(alive, key=lambda d: d.key))
+    dead = len(devices) - len(alive)
+    ignored = f" ({dead} dead device(s) not counted)" if dead else ""
+    return Refuse(
+        reason=(
+            f"{job.model} needs an estimated {fmt_bytes(job.estimate)}, more than any device "
+            f"could ever give it, even emptied{ignored}:\n{figures_table(alive)}"
+        ),
+        figures=figures,
+    )
+
+
+def _placed(option: _Option) -> Placed:
+    return Placed(device=option.device.key, tier=option.tier, evict=option.evict)

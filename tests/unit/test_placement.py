@@ -1,0 +1,403 @@
+"""Placement scenarios: each row is a farm's state, a job, and where the job must go."""
+
+from __future__ import annotations
+
+import pytest
+
+from sdfarm.scheduler.placement import (
+    DeviceState,
+    Figures,
+    GiB,
+    JobRequest,
+    LoadedModel,
+    Placed,
+    Refuse,
+    Wait,
+    figures_table,
+    place,
+    tier_for,
+)
+
+NOW = 10_000.0
+
+
+def eng(
+    name: str, gib: float, *, busy: bool = False, pinned: bool = False, idle: float = 0.0
+) -> LoadedModel:
+    return LoadedModel(name, int(gib * GiB), busy=busy, pinned=pinned, idle_since=idle)
+
+
+def dev(
+    key: str,
+    free: float,
+    *,
+    type: str = "gpu",
+    slow: float | None = None,
+    loaded: tuple[LoadedModel, ...] = (),
+    queued: int = 0,
+    limit: int = 2,
+    alive: bool = True,
+    accepting: bool = True,
+    capacity: float | None = None,
+) -> DeviceState:
+    """A device from GiB figures. Defaults: the slow path adds 16 GiB of MemAvailable for a
+    GPU (nothing for a CPU device), and capacity is free + what the loaded engines hold."""
+    host, device = key.split("/")
+    compute = int(free * GiB)
+    if slow is None:
+        slow_figure = compute if type == "cpu" else compute + 16 * GiB
+    else:
+        slow_figure = int(slow * GiB)
+    cap = int(capacity * GiB) if capacity is not None else compute + sum(m.estimate for m in loaded)
+    return DeviceState(
+        host=host,
+        device=device,
+        type=type,
+        compute_figure=compute,
+        slow_figure=slow_figure,
+        capacity=cap,
+        loaded=loaded,
+        queued=queued,
+        backlog_limit=limit,
+        alive=alive,
+        accepting=accepting,
+    )
+
+
+def job(model: str, gib: float) -> JobRequest:
+    return JobRequest(model=model, estimate=int(gib * GiB), priority=5, submitter="alice")
+
+
+# (job, devices, expected Placed)
+PLACED = [
+    pytest.param(
+        job("sdxl", 7),
+        [dev("h1/gpu0", 2, loaded=(eng("sdxl", 7),)), dev("h2/gpu0", 40)],
+        Placed("h1/gpu0", "loaded"),
+        id="loaded-beats-more-free-memory",
+    ),
+    pytest.param(
+        job("sdxl", 7),
+        [dev("h1/gpu0", 2, loaded=(eng("sdxl", 7, busy=True),), queued=1), dev("h2/gpu0", 40)],
+        Placed("h1/gpu0", "loaded"),
+        id="loaded-busy-with-backlog-room-still-wins-over-idle-device",
+    ),
+    pytest.param(
+        job("sdxl", 7),
+        [dev("h1/gpu0", 2, loaded=(eng("sdxl", 7, busy=True),), queued=2), dev("h2/gpu0", 40)],
+        Placed("h2/gpu0", "fits"),
+        id="loaded-backlog-full-spills-to-idle-device-with-room",
+    ),
+    pytest.param(
+        job("sdxl", 7),
+        [
+            dev("h1/gpu0", 2, loaded=(eng("sdxl", 7, busy=True),), queued=1),
+            dev("h2/gpu0", 2, loaded=(eng("sdxl", 7),), queued=0),
+        ],
+        Placed("h2/gpu0", "loaded"),
+        id="loaded-on-two-devices-least-queued",
+    ),
+    pytest.param(
+        job("flux", 6),
+        [dev("h1/gpu0", 3, loaded=(eng("old", 4, idle=100), eng("new", 4, idle=200)))],
+        Placed("h1/gpu0", "fits-evicting", ("old",)),
+        id="evict-one-idle-engine-lru",
+    ),
+    pytest.param(
+        job("flux", 8),
+        [
+            dev(
+                "h1/gpu0",
+                1,
+                loaded=(eng("a", 4, idle=300), eng("b", 4, idle=100), eng("c", 4, idle=200)),
+            )
+        ],
+        Placed("h1/gpu0", "fits-evicting", ("b", "c")),
+        id="evict-only-as-many-as-needed-oldest-first",
+    ),
+    pytest.param(
+        job("flux", 5),
+        [
+            dev(
+                "h1/gpu0",
+                1,
+                loaded=(
+                    eng("pinned", 4, pinned=True, idle=0),
+                    eng("busy", 4, busy=True, idle=1),
+                    eng("idle", 4, idle=500),
+                ),
+                queued=1,
+            )
+        ],
+        Placed("h1/gpu0", "fits-evicting", ("idle",)),
+        id="pinned-and-busy-never-evicted",
+    ),
+    pytest.param(
+        job("flux", 10),
+        [dev("h1/gpu0", 4, slow=40)],
+        Placed("h1/gpu0", "slow-path"),
+        id="slow-path-only",
+    ),
+    pytest.param(
+        job("flux", 11),
+        [dev("h1/gpu0", 2, slow=8, loaded=(eng("x", 4, idle=5),))],
+        Placed("h1/gpu0", "slow-path", ("x",)),
+        id="slow-path-after-evicting",
+    ),
+    pytest.param(
+        job("flux", 10),
+        [dev("h1/gpu0", 4, slow=40), dev("h2/gpu0", 12, queued=1)],
+        Placed("h2/gpu0", "fits"),
+        id="fits-beats-slow-path-even-with-more-queued",
+    ),
+    pytest.param(
+        job("flux", 10),
+        [dev("h1/gpu0", 4, loaded=(eng("x", 8, idle=1),)), dev("h2/gpu0", 12, queued=1)],
+        Placed("h2/gpu0", "fits"),
+        id="fits-without-eviction-beats-fits-evicting",
+    ),
+    pytest.param(
+        job("flux", 10),
+        [dev("h1/gpu0", 4, slow=30, loaded=(eng("x", 8, idle=1),)), dev("h2/gpu0", 4, slow=30)],
+        Placed("h1/gpu0", "fits-evicting", ("x",)),
+        id="fits-evicting-beats-slow-path",
+    ),
+    pytest.param(
+        job("flux", 10),
+        [
+            dev("h1/gpu0", 2, slow=8, loaded=(eng("x", 4, idle=1),)),
+            dev("h2/gpu0", 2, slow=20, queued=1),
+        ],
+        Placed("h2/gpu0", "slow-path"),
+        id="slow-path-prefers-no-eviction-over-less-queued",
+    ),
+    pytest.param(
+        job("flux", 8),
+        [dev("h1/gpu0", 20, queued=1), dev("h2/gpu0", 10, queued=0)],
+        Placed("h2/gpu0", "fits"),
+        id="equal-tier-least-queued-first",
+    ),
+    pytest.param(
+        job("flux", 8),
+        [dev("h1/gpu0", 10), dev("h2/gpu0", 20)],
+        Placed("h2/gpu0", "fits"),
+        id="equal-tier-and-queue-most-free-first",
+    ),
+    pytest.param(
+        job("flux", 8),
+        [dev("h2/gpu0", 10), dev("h1/gpu1", 10), dev("h1/gpu0", 10)],
+        Placed("h1/gpu0", "fits"),
+        id="all-equal-device-key-decides",
+    ),
+    pytest.param(
+        job("sdxl", 7),
+        [dev("h1/gpu0", 2, loaded=(eng("sdxl", 7),), alive=False), dev("h2/gpu0", 10)],
+        Placed("h2/gpu0", "fits"),
+        id="dead-device-ignored-even-if-loaded",
+    ),
+    pytest.param(
+        job("sdxl", 7),
+        [dev("h1/gpu0", 2, loaded=(eng("sdxl", 7),), accepting=False), dev("h2/gpu0", 10)],
+        Placed("h2/gpu0", "fits"),
+        id="draining-device-ignored-even-if-loaded",
+    ),
+    pytest.param(
+        job("flux", 8),
+        [dev("h1/gpu0", 20, queued=2), dev("h2/gpu0", 2, loaded=(eng("x", 8, idle=1),))],
+        Placed("h2/gpu0", "fits-evicting", ("x",)),
+        id="not-loaded-anywhere-better-tier-full-takes-best-tier-now",
+    ),
+    pytest.param(
+        job("flux", 8),
+        [dev("h1/cpu", 4, type="cpu"), dev("h2/gpu0", 12, queued=1)],
+        Placed("h2/gpu0", "fits"),
+        id="memory-limit-capped-cpu-never-chosen-when-model-exceeds-its-figure",
+    ),
+    pytest.param(
+        job("tiny", 1),
+        [dev("h1/cpu", 4, type="cpu"), dev("h2/gpu0", 12, queued=1)],
+        Placed("h1/cpu", "fits"),
+        id="memory-limit-capped-cpu-chosen-when-model-fits-its-figure",
+    ),
+    pytest.param(
+        job("flux", 8),
+        [dev("h1/gpu0", 20, queued=3, limit=4), dev("h2/gpu0", 10, queued=2)],
+        Placed("h1/gpu0", "fits"),
+        id="per-device-backlog-limit-respected",
+    ),
+]
+
+
+@pytest.mark.parametrize(("request_", "devices", "expected"), PLACED)
+def test_placed(request_: JobRequest, devices: list[DeviceState], expected: Placed) -> None:
+    assert place(request_, devices, NOW) == expected
+
+
+@pytest.mark.parametrize(("request_", "devices", "expected"), PLACED)
+def test_placed_ignores_listing_order(
+    request_: JobRequest, devices: list[DeviceState], expected: Placed
+) -> None:
+    """A standby scheduler reading the registry in another order decides the same."""
+    assert place(request_, list(reversed(devices)), NOW) == expected
+
+
+# (job, devices, words the Wait reason must contain)
+WAITS = [
+    pytest.param(job("flux", 4), [], ["no workers"], id="no-devices"),
+    pytest.param(
+        job("flux", 4), [dev("h1/gpu0", 20, alive=False)], ["no workers"], id="only-dead-devices"
+    ),
+    pytest.param(
+        job("flux", 4),
+        [dev("h1/gpu0", 20, queued=2), dev("h2/gpu0", 20, queued=2)],
+        ["busy", "h1/gpu0", "h2/gpu0"],
+        id="backlog-full-everywhere",
+    ),
+    pytest.param(
+        job("sdxl", 7),
+        [
+            dev("h1/gpu0", 2, loaded=(eng("sdxl", 7, busy=True),), queued=2),
+            dev("h2/gpu0", 2, loaded=(eng("other", 8, idle=1),)),
+        ],
+        ["loaded on h1/gpu0", "backlog is full"],
+        id="loaded-backlog-full-waits-rather-than-evict-elsewhere",
+    ),
+    pytest.param(
+        job("sdxl", 7),
+        [
+            dev("h1/gpu0", 2, loaded=(eng("sdxl", 7, busy=True),), queued=2),
+            dev("h2/gpu0", 2, slow=30),
+        ],
+        ["loaded on h1/gpu0"],
+        id="loaded-backlog-full-waits-rather-than-slow-path",
+    ),
+    pytest.param(
+        job("flux", 10),
+        [
+            dev(
+                "h1/gpu0",
+                2,
+                slow=4,
+                loaded=(eng("pinned", 6, pinned=True), eng("busy", 6, busy=True)),
+                queued=1,
+            )
+        ],
+        ["fits no device now", "h1/gpu0", "10.00 GiB"],
+        id="fits-emptied-device-but-pinned-and-busy-engines-hold-it-now",
+    ),
+    pytest.param(
+        job("flux", 10),
+        [dev("h1/gpu0", 20, accepting=False), dev("h2/gpu0", 4, slow=6)],
+        ["fits no device now", "h1/gpu0"],
+        id="only-draining-device-could-take-it",
+    ),
+]
+
+
+@pytest.mark.parametrize(("request_", "devices", "words"), WAITS)
+def test_wait(request_: JobRequest, devices: list[DeviceState], words: list[str]) -> None:
+    outcome = place(request_, devices, NOW)
+    assert isinstance(outcome, Wait), outcome
+    for word in words:
+        assert word in outcome.reason
+
+
+# (job, devices, words the Refuse reason must contain)
+REFUSALS = [
+    pytest.param(
+        job("huge", 100),
+        [dev("h1/gpu0", 20, slow=60), dev("h2/cpu", 30, type="cpu")],
+        [
+            "huge",
+            "100.00 GiB",
+            "h1/gpu0 (gpu): compute 20.00 GiB, slow path 60.00 GiB, capacity 20.00 GiB",
+            "h2/cpu (cpu): compute 30.00 GiB, slow path 30.00 GiB, capacity 30.00 GiB",
+        ],
+        id="too-big-for-everything-names-estimate-and-every-figure",
+    ),
+    pytest.param(
+        job("flux", 8),
+        [dev("h1/cpu", 4, type="cpu")],
+        ["8.00 GiB", "h1/cpu (cpu): compute 4.00 GiB"],
+        id="memory-limit-capped-cpu-only",
+    ),
+    pytest.param(
+        job("huge", 50),
+        [dev("h1/gpu0", 100, alive=False), dev("h2/gpu0", 10, slow=20)],
+        ["50.00 GiB", "h2/gpu0", "1 dead device(s) not counted"],
+        id="dead-device-capacity-not-counted",
+    ),
+]
+
+
+@pytest.mark.parametrize(("request_", "devices", "words"), REFUSALS)
+def test_refuse(request_: JobRequest, devices: list[DeviceState], words: list[str]) -> None:
+    outcome = place(request_, devices, NOW)
+    assert isinstance(outcome, Refuse), outcome
+    for word in words:
+        assert word in outcome.reason
+    alive = sorted(d.key for d in devices if d.alive)
+    assert [f.device for f in outcome.figures] == alive
+
+
+def test_refuse_figures_are_structured() -> None:
+    devices = [dev("h1/gpu0", 2, slow=10, loaded=(eng("x", 6, idle=1),))]
+    outcome = place(job("huge", 100), devices, NOW)
+    assert isinstance(outcome, Refuse)
+    assert outcome.figures == (
+        Figures(
+            device="h1/gpu0",
+            type="gpu",
+            compute_figure=2 * GiB,
+            slow_figure=10 * GiB,
+            capacity=8 * GiB,
+            slow_capacity=16 * GiB,
+        ),
+    )
+
+
+def test_slow_path_capacity_makes_it_wait_not_refuse() -> None:
+    """Emptied, the slow path would hold it: the job waits instead of failing."""
+    devices = [
+        dev("h1/gpu0", 1, slow=9, loaded=(eng("p", 7, pinned=True),)),
+    ]
+    outcome = place(job("flux", 14), devices, NOW)
+    assert isinstance(outcome, Wait), outcome
+
+
+def test_figures_table_sorted_and_empty() -> None:
+    table = figures_table([dev("h2/gpu0", 1), dev("h1/gpu0", 2)])
+    assert table.splitlines()[0].startswith("h1/gpu0 (gpu): compute 2.00 GiB")
+    assert table.splitlines()[1].startswith("h2/gpu0 (gpu): compute 1.00 GiB")
+    assert figures_table([]) == "(no devices)"
+
+
+def test_tier_for_ignores_backlog() -> None:
+    """A full device still has a tier: that decides whether a job waits for it."""
+    full = dev("h1/gpu0", 2, loaded=(eng("sdxl", 7),), queued=2)
+    assert tier_for(job("sdxl", 7), full, NOW) == ("loaded", ())
+
+
+def test_fits_exactly_at_the_figure() -> None:
+    assert place(job("m", 8), [dev("h1/gpu0", 8)], NOW) == Placed("h1/gpu0", "fits")
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        pytest.param({"type": "tpu"}, id="unknown-type"),
+        pytest.param({"queued": -1}, id="negative-queued"),
+        pytest.param({"compute_figure": -1}, id="negative-figure"),
+    ],
+)
+def test_device_state_rejects_nonsense(kwargs: dict[str, object]) -> None:
+    base: dict[str, object] = {
+        "host": "h1",
+        "device": "gpu0",
+        "type": "gpu",
+        "compute_figure": GiB,
+        "slow_figure": GiB,
+        "capacity": GiB,
+    }
+    with pytest.raises(ValueError):
+        DeviceState(**{**base, **kwargs})  # type: ignore[arg-type]

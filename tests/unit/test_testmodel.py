@@ -1,0 +1,138 @@
+"""The tiny test model: names, shapes, dtypes and roles as specified, the same bytes every run."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType, GGUFReader
+from safetensors.numpy import load_file
+
+from sdfarm.native.models import Model, detect_role, validate_header
+from sdfarm.native.testmodel import PARTS, TENSORS_JSON, init_weight, make_test_model
+
+SHARED_JSON = Path(__file__).resolve().parents[3] / "shared" / "data" / "ovis-tiny-tensors.json"
+SPEC = json.loads(TENSORS_JSON.read_text())
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
+    out = tmp_path_factory.mktemp("tiny")
+    start = time.perf_counter()
+    dirs = make_test_model(out)
+    assert time.perf_counter() - start < 5.0
+    return dirs
+
+
+def digests(folders: list[Path]) -> dict[str, str]:
+    return {
+        f"{folder.name}/{p.name}": hashlib.sha256(p.read_bytes()).hexdigest()
+        for folder in folders
+        for p in sorted(folder.iterdir())
+    }
+
+
+def test_shipped_json_matches_shared_copy() -> None:
+    if not SHARED_JSON.exists():
+        pytest.skip("no shared checkout next to this repository")
+    assert TENSORS_JSON.read_bytes() == SHARED_JSON.read_bytes()
+
+
+def test_layout(model_dirs: list[Path]) -> None:
+    assert [d.name for d in model_dirs] == ["tiny-f16", "tiny-q8_0"]
+    assert sorted(p.name for p in model_dirs[0].iterdir()) == [
+        "dit.safetensors",
+        "llm.safetensors",
+        "model.json",
+        "taesd.safetensors",
+    ]
+    assert sorted(p.name for p in model_dirs[1].iterdir()) == [
+        "dit.gguf",
+        "llm.gguf",
+        "model.json",
+        "taesd.gguf",
+    ]
+    manifest = json.loads((model_dirs[1] / "model.json").read_text())
+    assert manifest == {
+        "files": {"diffusion_model": "dit.gguf", "llm": "llm.gguf", "taesd": "taesd.gguf"},
+        "native_size": [256, 256],
+    }
+
+
+def test_safetensors_names_shapes_dtypes(model_dirs: list[Path]) -> None:
+    for part, (stem, _role) in PARTS.items():
+        tensors = load_file(str(model_dirs[0] / f"{stem}.safetensors"))
+        assert {n: list(t.shape) for n, t in tensors.items()} == SPEC[part]
+        for name, t in tensors.items():
+            assert t.dtype == (np.float16 if t.ndim >= 2 else np.float32), name
+
+
+def test_gguf_names_shapes_dtypes(model_dirs: list[Path]) -> None:
+    quantized = 0
+    expected = sum(len(s) >= 2 for part in ("dit", "llm") for s in SPEC[part].values())
+    for part, (stem, _role) in PARTS.items():
+        reader = GGUFReader(str(model_dirs[1] / f"{stem}.gguf"))
+        # ggml stores dims innermost first: reversed, they equal the PyTorch shapes.
+        shapes = {t.name: list(reversed(t.shape.tolist())) for t in reader.tensors}
+        assert shapes == SPEC[part]
+        for t in reader.tensors:
+            shape = SPEC[part][t.name]
+            if len(shape) == 1:
+                want = GGMLQuantizationType.F32
+            elif shape[-1] % 32 == 0:
+                want = GGMLQuantizationType.Q8_0
+            else:
+                want = GGMLQuantizationType.F16
+            assert t.tensor_type == want, t.name
+            quantized += want == GGMLQuantizationType.Q8_0
+    assert quantized == expected  # every 2-D weight of the DiT and the LLM (rows of 64+)
+
+
+def test_gguf_and_safetensors_hold_the_same_weights(model_dirs: list[Path]) -> None:
+    from gguf.quants import dequantize
+
+    st = load_file(str(model_dirs[0] / "llm.safetensors"))
+    reader = GGUFReader(str(model_dirs[1] / "llm.gguf"))
+    for t in reader.tensors:
+        ref = st[t.name].astype(np.float32)
+        got = dequantize(t.data, t.tensor_type).reshape(ref.shape)
+        assert np.allclose(got, ref, atol=0.02 * float(np.abs(ref).max()) + 1e-6), t.name
+
+
+def test_weights_initialisation() -> None:
+    assert (init_weight("dit", "txt_norm.scale", (64,)) == 1).all()
+    assert (init_weight("llm", "model.layers.0.input_layernorm.weight", (64,)) == 1).all()
+    assert (init_weight("dit", "img_in.bias", (128,)) == 0).all()
+    w = init_weight("llm", "model.embed_tokens.weight", (151936, 64))
+    assert abs(float(w.std()) - 1 / 8) < 0.002  # N(0, 1/fan_in), fan_in 64
+    conv = init_weight("tae", "decoder.layers.0.weight", (64, 16, 3, 3))
+    assert abs(float(conv.std()) - 1 / 12) < 0.005  # fan_in 16 * 3 * 3
+    assert np.array_equal(w, init_weight("llm", "model.embed_tokens.weight", (151936, 64)))
+
+
+def test_roles_from_headers_equal_manifest(model_dirs: list[Path]) -> None:
+    for folder in model_dirs:
+        manifest = json.loads((folder / "model.json").read_text())
+        for role, fname in manifest["files"].items():
+            assert detect_role(validate_header(folder / fname, role)) == role
+        model = Model.from_dir(folder)
+        assert model.native_size == (256, 256)
+        assert set(model.files) == {"diffusion_model", "llm", "taesd"}
+
+
+def test_sizes(model_dirs: list[Path]) -> None:
+    f16 = Model.from_dir(model_dirs[0]).total_bytes
+    q8 = Model.from_dir(model_dirs[1]).total_bytes
+    assert 25_000_000 < f16 < 26_000_000  # measured 25.6 MB for a model that loads
+    assert 14_500_000 < q8 < 15_000_000  # measured 14.8 MB
+
+
+def test_idempotent(model_dirs: list[Path], tmp_path: Path) -> None:
+    first = digests(model_dirs)
+    assert digests(make_test_model(model_dirs[0].parent)) == first  # overwrite in place
+    assert digests(make_test_model(tmp_path)) == first  # and in a fresh folder
+    assert not [p for d in model_dirs for p in d.iterdir() if p.name.startswith(".")]

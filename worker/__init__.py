@@ -1,0 +1,1 @@
+"""sdfarm.worker: Celery workers that hold loaded engines, one process per device."""
