@@ -19,6 +19,40 @@ Keys (prefix `sdfarm:` by default, one farm per Redis database):
 | `leader` | string | scheduler | the active scheduler's id, with a TTL |
 | `cancel:{id}` | string | client | a cancel request for a running job |
 | `running:{host}/{device}` | hash | scheduler | job id -> dispatch id sent to that device |
+| `config` | hash | scheduler | `queue_limit`, `backlog` |
+
+Flows (every step also appends an event to `events:{id}`):
+
+1. submit (client): validate params with sdfarm.native.params.validate; refuse with
+   FarmBusyError when `pending:count` >= the queue limit (`config` hash, field `queue_limit`,
+   written by the scheduler); HSET `job:{id}` (new_job_record), RPUSH `pending:{priority}`,
+   INCR `pending:count`, LPUSH `wake`.
+2. place (the leader scheduler, woken by BLPOP `wake` with a short timeout): read heartbeats,
+   walk pending jobs in fair-share order, compute each job's estimate from the model facts
+   the heartbeats carry (`models`: bytes + native size, through
+   sdfarm.native.memory.estimate_bytes at the job's size), call placement.place. Placed:
+   HSET job state=placed, device, dispatch=<new uuid>; HSET `running:{device}` id dispatch;
+   LREM the pending list; DECR `pending:count`; send the Celery task TASK_NAME with args
+   [job_id, dispatch] to queue_name(device). Refuse: state=failed with the reason and figures,
+   RPUSH `done:{id}` "failed". Wait: leave it pending.
+3. run (the worker's task): claim atomically (CLAIM_LUA: state must be placed and dispatch
+   must match, else the message is stale and is dropped: this is what keeps a job from
+   running twice); state=running, incarnation=<the worker process's id>; engine from the
+   cache (event `loading` when it loads); generate, publishing `progress:{id}` and `step`
+   events; then hand the images to the uploader thread and return, so PNG encoding and the
+   upload never delay the next generation. The uploader writes `result:{id}` (TTL), sets
+   state=done (or failed with `error`), HDELs `running:{device}`, RPUSHes `done:{id}`,
+   LPUSHes `wake`.
+4. wait (client): if the job record is final read the result, else BLPOP `done:{id}` and
+   push the token back for other waiters.
+5. recover (scheduler): a device whose heartbeat expired, or whose `incarnation` differs
+   from the one a running job recorded, lost that job: attempts += 1; at 2 the job fails as
+   poison with the last records the worker stored in the job's `records` field; otherwise
+   it goes back to the front of its pending list with a new dispatch id.
+6. cancel (client): queued -> removed from pending, state=cancelled; placed/running -> SET
+   `cancel:{id}`; the worker checks it before it starts and while it runs (master-596 has
+   no cancel call, so the worker ends its own process; Celery starts a fresh one and the
+   engine is loaded again).
 """
 
 from __future__ import annotations
@@ -86,6 +120,7 @@ WAKE_KEY = key("wake")
 DEVICES_KEY = key("devices")
 LEADER_KEY = key("leader")
 PENDING_COUNT_KEY = key("pending", "count")
+CONFIG_KEY = key("config")
 
 
 def device_key(host: str, device: str) -> str:
