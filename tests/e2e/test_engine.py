@@ -1,0 +1,165 @@
+"""The real runtime with the tiny model: determinism, memory refusals, bad files, bad
+parameters and the log ring. Every test runs in this process: none of these may crash it."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+
+from sdfarm.native.engine import Engine, LogConfig
+from sdfarm.native.errors import InvalidParameterError, ModelLoadError, ModelTooLargeError
+from sdfarm.native.logs import Scrubber
+from sdfarm.native.params import GenerationParams
+from sdfarm.native.png import png_bytes, read_params
+from sdfarm.native.ring import LogRing
+
+from helpers.badmodels import make_broken_model, make_sparse_huge_model
+
+SMALL = {"width": 64, "height": 64, "steps": 1}
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_models):
+    e = Engine.load(tiny_models[0])
+    yield e
+    e.dispose()
+
+
+def png(engine, seed, prompt="a lighthouse at dusk"):
+    r = engine.generate(GenerationParams(prompt=prompt, seed=seed, **SMALL))
+    return png_bytes(r.image, r.metadata)
+
+
+def test_same_seed_same_png_bytes_in_one_engine_and_another_seed_differs(engine):
+    a, b = png(engine, 42), png(engine, 42)
+    assert a == b
+    assert png(engine, 43) != a
+    assert read_params(a)["seed"] == 42
+
+
+def test_result_metadata_names_what_made_the_image(engine):
+    r = engine.generate(GenerationParams(prompt="x", seed=5, **SMALL))
+    assert r.image.size == (64, 64)
+    meta = r.metadata
+    assert meta["seed"] == 5 and meta["backend"] == "CPU" and meta["model"] == "tiny-f16"
+    assert meta["sd_version"] == "master-596-90e87bc"
+    assert meta["fit_plan"]["placement"]["diffusion"] == "cpu"
+    assert meta["timings"]["generate_s"] > 0
+    caps = engine.capabilities
+    assert caps.backend == "CPU" and caps.device_type == "cpu"
+    assert caps.estimate == engine.estimate_for(256, 256)
+    assert caps.memory_check == "ok" and "MemAvailable" in caps.figures
+
+
+def test_quantized_gguf_model_generates(tiny_models):
+    with Engine.load(tiny_models[1]) as e:
+        assert e.generate(GenerationParams(prompt="q", seed=1, **SMALL)).image.size == (64, 64)
+
+
+BAD_PARAMS = [
+    ({"width": 0}, "width"),
+    ({"height": -8}, "height"),
+    ({"steps": 0}, "steps"),
+    ({"steps": -1}, "steps"),
+    ({"width": 100000, "height": 100000}, "width"),
+    ({"sampler": "warp_drive"}, "sampler"),
+]
+
+
+@pytest.mark.parametrize(("kw", "param"), BAD_PARAMS, ids=[b[1] + str(b[0]) for b in BAD_PARAMS])
+def test_bad_parameters_make_no_native_call_and_the_engine_goes_on(engine, kw, param):
+    calls = engine.native_calls
+    with pytest.raises(InvalidParameterError) as err:
+        engine.generate(GenerationParams(**{"prompt": "p", **SMALL, **kw}))
+    assert err.value.parameter == param
+    assert engine.native_calls == calls
+    assert engine.generate(GenerationParams(prompt="still alive", seed=1, **SMALL)).images
+
+
+def test_sparse_huge_model_is_refused_with_estimate_and_figures(tiny_models, tmp_path):
+    huge = make_sparse_huge_model(tiny_models[0], tmp_path / "huge")
+    with pytest.raises(ModelTooLargeError) as err:
+        Engine.load(huge)
+    msg = str(err.value)
+    assert err.value.estimate > 200 * 10**9
+    assert "MemAvailable" in msg and "estimate" in msg and "--no-check-memory" in msg
+    assert "MemAvailable" in err.value.figures
+
+
+def test_sparse_huge_model_without_the_check_fails_quoting_the_runtime(tiny_models, tmp_path):
+    huge = make_sparse_huge_model(tiny_models[0], tmp_path / "huge")
+    with pytest.raises(ModelLoadError) as err:
+        Engine.load(huge, check_memory=False)
+    assert "wrong shape" in str(err.value)
+    assert any("wrong shape" in r for r in err.value.records)
+    assert str(tmp_path) not in str(err.value)
+
+
+@pytest.mark.parametrize("kind", ["garbage", "empty", "truncated", "wrong-role"])
+def test_broken_model_files_are_clear_errors_naming_the_role(tiny_models, tmp_path, kind):
+    broken = make_broken_model(tiny_models[0], tmp_path / kind, kind)
+    with pytest.raises(ModelLoadError) as err:
+        Engine.load(broken)
+    assert "diffusion_model" in str(err.value)
+    assert str(tmp_path) not in str(err.value)
+
+
+def test_a_size_whose_estimate_exceeds_the_host_is_refused_before_generating(engine):
+    calls = engine.native_calls
+    with pytest.raises(ModelTooLargeError, match="4096x4096"):
+        engine.generate(GenerationParams(prompt="big", width=4096, height=4096, steps=1))
+    assert engine.native_calls == calls
+
+
+def test_records_are_scrubbed_and_levelled(tiny_models):
+    log = LogConfig(level="debug")
+    prompt = "a quokka juggling saxophones"
+    with Engine.load(tiny_models[0], log=log) as e:
+        load = e.drain_load_records()
+        gen = e.generate(GenerationParams(prompt=prompt, seed=3, **SMALL)).records
+    records = load + gen
+    assert records and all(r.message.startswith("stable_diffusion: ") for r in records)
+    assert any("<diffusion_model file>" in r.message for r in load)
+    text = "\n".join(r.message for r in records)
+    assert str(tiny_models[0]) not in text
+    assert "quokka" not in text and "saxophones" not in text
+    assert any(r.level == "debug" for r in records)
+
+
+def test_default_level_none_delivers_no_records(tiny_models):
+    with Engine.load(tiny_models[0]) as e:
+        assert e.drain_load_records() == []
+        assert e.generate(GenerationParams(prompt="x", seed=1, **SMALL)).records == []
+
+
+def test_ring_overflow_keeps_the_newest_records_and_counts_the_dropped(engine):
+    ring = LogRing.load()
+    ring.configure(4096, "debug")
+    ring.flood(1000, "info")
+    raw, dropped = ring.drain_raw()
+    texts = [t for _, _, _, t in raw]
+    seqs = [s for s, _, _, _ in raw]
+    kept = len(raw)
+    assert 0 < kept < 1000
+    assert dropped == 1000 - kept
+    assert texts[-1].endswith("flood record 999")
+    assert texts[0].endswith(f"flood record {1000 - kept}")
+    assert seqs == list(range(seqs[0], seqs[0] + kept))
+    ring.flood(300, "info")
+    records = ring.drain(Scrubber({}))
+    warning = records[0]
+    assert warning.level == "warn" and warning.source == "engine"
+    assert f"{300 - (len(records) - 1)} log records were dropped" in warning.message
+    assert sum("were dropped" in r.message for r in records) == 1
+    ring.configure(256 * 1024, "none")
+
+
+def test_png_carries_the_parameters(engine):
+    r = engine.generate(GenerationParams(prompt="chunk", seed=11, **SMALL))
+    data = png_bytes(r.image, r.metadata)
+    params = read_params(data)
+    assert params["prompt"] == "chunk" and params["seed"] == 11 and params["model"] == "tiny-f16"
+    from PIL import Image
+
+    assert Image.open(io.BytesIO(data)).size == (64, 64)
