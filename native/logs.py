@@ -80,11 +80,16 @@ class Scrubber:
         self._paths = sorted(
             ((p, label) for p, label in paths.items() if p), key=lambda x: -len(x[0])
         )
-        self._prompts = (
+        # Whole prompts only, on word boundaries, and not tiny ones: a prompt "a" must not eat
+        # every "a" in the log. The records that carry prompts are redacted by pattern above.
+        texts = (
             []
             if log_prompts
-            else sorted({p for p in prompts if p and p.strip()}, key=len, reverse=True)
+            else sorted(
+                {p.strip() for p in prompts if p and len(p.strip()) >= 4}, key=len, reverse=True
+            )
         )
+        self._prompts = [re.compile(r"(?<!\w)" + re.escape(t) + r"(?!\w)") for t in texts]
         self._log_prompts = log_prompts
 
     def __call__(self, text: str) -> str:
@@ -96,8 +101,7 @@ class Scrubber:
         for pattern, repl in _PROMPT_RECORDS:
             text = pattern.sub(repl, text)
         for prompt in self._prompts:
-            if prompt in text:
-                text = text.replace(prompt, "<prompt redacted>")
+            text = prompt.sub("<prompt redacted>", text)
         return text
 
 

@@ -76,3 +76,9 @@ def test_dropped_record_names_the_count():
     rec = logs.dropped_record(123, 7, 4096)
     assert rec.level == "warn" and "123 log records were dropped" in rec.message
     assert rec.message.startswith("stable_diffusion: ")
+
+
+def test_a_short_prompt_does_not_eat_ordinary_words():
+    scrub = logs.Scrubber({}, ["a", "cat"])
+    assert scrub("latent 1 decoded, taking 0.14s") == "latent 1 decoded, taking 0.14s"
+    assert scrub("allocate the concatenation") == "allocate the concatenation"
