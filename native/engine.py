@@ -325,9 +325,12 @@ class Engine:
         params: GenerationParams | None = None,
         *,
         progress: Callable[[int, int, float], None] | None = None,
+        log: LogConfig | None = None,
         **kwargs: Any,
     ) -> GenerationResult:
-        """Generate `params` (or keyword arguments of GenerationParams). Raises
+        """Generate `params` (or keyword arguments of GenerationParams). `log` overrides the
+        engine's log settings for this call (a farm's jobs each choose their level and whether
+        prompts stay in records). Raises
         InvalidParameterError before any native call, ModelTooLargeError when the requested
         size grows the estimate beyond what refuses a load, GenerationError quoting the
         runtime's error records."""
@@ -349,17 +352,20 @@ class Engine:
                 size_estimate,
                 self._verdict.figures,
             )
+        cfg = log or self._log
         scrub = logs.Scrubber(
             self.model.path_roles(),
             (params.prompt, params.negative_prompt),
-            log_prompts=self._log.log_prompts,
+            log_prompts=cfg.log_prompts,
         )
         started = time.monotonic()
         with Engine._native_lock:
+            if log is not None:
+                self._ring.configure(cfg.ring_bytes, cfg.native)
             images = self._run(params, progress)
             raw = self._drain_raw(scrub)
         seconds = time.monotonic() - started
-        records = self._take_records(raw)
+        records = self._take_records(raw, cfg)
         if not images:
             errors = [r.message for r in raw if r.level == "error"]
             if any("out of memory" in e.lower() or "device lost" in e.lower() for e in errors):
@@ -433,8 +439,11 @@ class Engine:
     def _drain_raw(self, scrub: logs.Scrubber | None = None) -> list[logs.LogRecord]:
         return self._ring.drain(scrub or self._scrub)
 
-    def _take_records(self, raw: list[logs.LogRecord]) -> list[logs.LogRecord]:
-        out = logs.visible(self._pending + raw, self._log.level, self._log.native)
+    def _take_records(
+        self, raw: list[logs.LogRecord], cfg: LogConfig | None = None
+    ) -> list[logs.LogRecord]:
+        cfg = cfg or self._log
+        out = logs.visible(self._pending + raw, cfg.level, cfg.native)
         self._pending = []
         return out
 

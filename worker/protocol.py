@@ -20,6 +20,38 @@ Keys (prefix `sdfarm:` by default, one farm per Redis database):
 | `cancel:{id}` | string | client | a cancel request for a running job |
 | `running:{host}/{device}` | hash | scheduler | job id -> dispatch id sent to that device |
 | `config` | hash | scheduler | `queue_limit`, `backlog` |
+| `sdfarm.{host}.{device}` | list | Celery | the device's Celery queue (no prefix) |
+
+Job record fields the worker adds (all strings): `started` (time.time() of the claim),
+`incarnation` (the worker process's uuid), `worker` (Celery hostname:pid), `records` (JSON list
+of the engine's load records, written before generating, so a crash leaves them for the
+poison report), `ended` (time.time() of the final state), `error` (failed only).
+
+Result hash `result:{id}` (TTL RESULT_TTL): `png:0` .. `png:{count-1}` (PNG bytes, each with
+the generation parameters in its `sdfarm` text chunk, see sdfarm.native.png), `count`,
+`meta` (JSON: the parameters with the resolved seed, job, model, host, device, device_key,
+backend, sd_version, estimate, fit_plan, warnings, timings {queued_s, load_s, warmup_s,
+generate_s, encode_s, upload_s}) and `records` (JSON list of {seq, level, message, source,
+location} at the job's log level). A failed job has `meta` (with `error`) and `records` but no
+images.
+
+Heartbeat `hb:{host}/{device}` (JSON, SET every HEARTBEAT_INTERVAL with HEARTBEAT_TTL, by the
+pool process that runs the jobs; deleted on a graceful stop): host, device (as the host lists
+it: CPU, Vulkan1, CUDA0), key, backend (CPU / Vulkan / CUDA / Metal), type (cpu, gpu, igpu,
+accel), description, free and total (startup probe), capacity (the device's figure when our
+engines hold nothing, capped by --memory-limit), compute_figure (capacity minus the estimates
+of loaded engines), slow_figure (a GPU: its remaining figure + MemAvailable; CPU: =
+compute_figure), mem_available, loaded ([{name, estimate, busy, pinned, idle_since, idle_s}]),
+loading (model name or null), models ({name: {bytes, native_size: [w, h]}} for every model in
+the worker's directories), bad_models ({name: error}), queue (messages waiting in its Celery
+queue), state (idle / loading / busy), current_job, version ({sdfarm, sd}), incarnation (a
+uuid per pool process: a change means the process was replaced and its running job is lost),
+pid, memory_limit, keep_alive, ts. All sizes in bytes.
+
+Events (`events:{id}`, JSON with `event` and `t`): queued, placed, running (claimed: device,
+incarnation), loading (model, estimate) and loaded (model, load_s, warmup_s) only when the
+job made the worker load a model, step (step, steps, s_per_step; at most 10/s), done,
+failed (error), cancelled, retried.
 
 Flows (every step also appends an event to `events:{id}`):
 
@@ -42,7 +74,13 @@ Flows (every step also appends an event to `events:{id}`):
    events; then hand the images to the uploader thread and return, so PNG encoding and the
    upload never delay the next generation. The uploader writes `result:{id}` (TTL), sets
    state=done (or failed with `error`), HDELs `running:{device}`, RPUSHes `done:{id}`,
-   LPUSHes `wake`.
+   LPUSHes `wake`. In detail: the PNG bytes go first (UPLOAD_LUA, timed as upload_s), then
+   FINISH_LUA writes `meta`, `records`, `count`, the final state and everything after it in
+   one atomic step. Both scripts act only while the job is still `running` under this
+   dispatch id, so a worker whose job was re-placed meanwhile (flow 5) cannot overwrite the
+   new run; a reader that sees a final state always sees the complete result. The worker
+   also ends jobs itself (failed: invalid parameters, unknown model, load or generation
+   errors; cancelled) through FINISH_LUA.
 4. wait (client): if the job record is final read the result, else BLPOP `done:{id}` and
    push the token back for other waiters.
 5. recover (scheduler): a device whose heartbeat expired, or whose `incarnation` differs
@@ -52,7 +90,10 @@ Flows (every step also appends an event to `events:{id}`):
 6. cancel (client): queued -> removed from pending, state=cancelled; placed/running -> SET
    `cancel:{id}`; the worker checks it before it starts and while it runs (master-596 has
    no cancel call, so the worker ends its own process; Celery starts a fresh one and the
-   engine is loaded again).
+   engine is loaded again). A cancel seen before generation starts (at the claim or after
+   the load) ends the job without ending the process; only a cancel during generation
+   costs the process (and the engines it held). The worker writes every finished result
+   of earlier jobs before it ends itself.
 """
 
 from __future__ import annotations
@@ -185,3 +226,172 @@ def decode(value: bytes | str | None) -> str:
     if value is None:
         return ""
     return value.decode() if isinstance(value, bytes) else value
+
+
+# -- worker-side atomic steps (flow 3) --------------------------------------------------------
+
+CLAIM_LUA = """
+-- KEYS: job, events   ARGV: dispatch, incarnation, started, event, events_cap, worker
+local cur = redis.call('HMGET', KEYS[1], 'state', 'dispatch')
+if cur[1] ~= 'placed' or cur[2] ~= ARGV[1] then
+  return 0
+end
+redis.call('HSET', KEYS[1], 'state', 'running', 'started', ARGV[3],
+           'incarnation', ARGV[2], 'worker', ARGV[6])
+redis.call('RPUSH', KEYS[2], ARGV[4])
+redis.call('LTRIM', KEYS[2], -tonumber(ARGV[5]), -1)
+return 1
+"""
+"""Claim a placed job for this dispatch (1), or report the message stale (0)."""
+
+UPLOAD_LUA = """
+-- KEYS: job, result   ARGV: dispatch, ttl, field1, value1, ...
+local cur = redis.call('HMGET', KEYS[1], 'state', 'dispatch')
+if cur[1] ~= 'running' or cur[2] ~= ARGV[1] then
+  return 0
+end
+redis.call('DEL', KEYS[2])
+if #ARGV > 2 then
+  redis.call('HSET', KEYS[2], unpack(ARGV, 3))
+  redis.call('EXPIRE', KEYS[2], tonumber(ARGV[2]))
+end
+return 1
+"""
+"""Write the result's image fields while the job is still ours (1), else nothing (0)."""
+
+FINISH_LUA = """
+-- KEYS: job, result, done, events, running, wake, progress
+-- ARGV: dispatch, state, error, ended, event, events_cap, ttl, job_id, meta, records, count,
+--       then optional extra job fields as name, value pairs
+local cur = redis.call('HMGET', KEYS[1], 'state', 'dispatch')
+if cur[1] ~= 'running' or cur[2] ~= ARGV[1] then
+  return 0
+end
+local ttl = tonumber(ARGV[7])
+redis.call('HSET', KEYS[1], 'state', ARGV[2], 'error', ARGV[3], 'ended', ARGV[4])
+if #ARGV > 11 then
+  redis.call('HSET', KEYS[1], unpack(ARGV, 12))
+end
+if ARGV[9] ~= '' then
+  redis.call('HSET', KEYS[2], 'meta', ARGV[9], 'records', ARGV[10], 'count', ARGV[11])
+  redis.call('EXPIRE', KEYS[2], ttl)
+end
+if redis.call('HGET', KEYS[5], ARGV[8]) == ARGV[1] then
+  redis.call('HDEL', KEYS[5], ARGV[8])
+end
+redis.call('RPUSH', KEYS[3], ARGV[2])
+redis.call('EXPIRE', KEYS[3], ttl)
+redis.call('RPUSH', KEYS[4], ARGV[5])
+redis.call('LTRIM', KEYS[4], -tonumber(ARGV[6]), -1)
+redis.call('EXPIRE', KEYS[4], ttl)
+if redis.call('EXISTS', KEYS[7]) == 1 then
+  redis.call('EXPIRE', KEYS[7], ttl)
+end
+redis.call('LPUSH', KEYS[6], ARGV[8])
+redis.call('LTRIM', KEYS[6], 0, 999)
+return 1
+"""
+"""End a running job of this dispatch: result meta, final state, running entry, done token,
+event, wake (1); a job that is no longer ours is left alone (0)."""
+
+CELERY_PRIORITY_STEPS = (0, 3, 6, 9)
+"""kombu's redis transport keeps one list per priority step: `queue` and `queue\\x06\\x16{n}`."""
+
+
+def claim(client: Any, job_id: str, dispatch: str, incarnation: str, worker: str) -> bool:
+    """CLAIM_LUA: True when this message may run the job, False when it is stale."""
+    started = time.time()
+    ev = event("running", incarnation=incarnation, worker=worker)
+    return bool(
+        client.register_script(CLAIM_LUA)(
+            keys=[job_key(job_id), events_key(job_id)],
+            args=[dispatch, incarnation, repr(started), ev, EVENTS_CAP, worker],
+        )
+    )
+
+
+def upload_images(client: Any, job_id: str, dispatch: str, pngs: list[bytes]) -> bool:
+    """UPLOAD_LUA: store `png:{i}` while the job is still running under `dispatch`."""
+    args: list[Any] = [dispatch, RESULT_TTL]
+    for i, data in enumerate(pngs):
+        args += [f"png:{i}", data]
+    return bool(
+        client.register_script(UPLOAD_LUA)(keys=[job_key(job_id), result_key(job_id)], args=args)
+    )
+
+
+def finish(
+    client: Any,
+    job_id: str,
+    dispatch: str,
+    device_key: str,
+    state: str,
+    *,
+    error: str = "",
+    meta: dict[str, Any] | None = None,
+    records: list[dict[str, Any]] | None = None,
+    count: int = 0,
+    job_fields: dict[str, str] | None = None,
+    **event_fields: Any,
+) -> bool:
+    """FINISH_LUA: the final state (done, failed, cancelled) and everything that goes with
+    it, atomically; `meta`/`records` land in `result:{id}` when given, `job_fields` in the job
+    record (a worker's memory refusal writes `figures` and `estimate` there, as placement's
+    refusal does). False when the job is no longer running under `dispatch` (it was
+    re-placed or ended by someone else)."""
+    if state not in FINAL_STATES:
+        raise ValueError(f"not a final state: {state!r}")
+    fields = dict(event_fields)
+    if error:
+        fields["error"] = error
+    ev = event(state, **fields)
+    return bool(
+        client.register_script(FINISH_LUA)(
+            keys=[
+                job_key(job_id),
+                result_key(job_id),
+                done_key(job_id),
+                events_key(job_id),
+                running_key(device_key),
+                WAKE_KEY,
+                progress_key(job_id),
+            ],
+            args=[
+                dispatch,
+                state,
+                error,
+                repr(time.time()),
+                ev,
+                EVENTS_CAP,
+                RESULT_TTL,
+                job_id,
+                "" if meta is None else json.dumps(meta, default=str),
+                json.dumps(records or []),
+                count,
+                *[x for kv in (job_fields or {}).items() for x in kv],
+            ],
+        )
+    )
+
+
+def push_event(client: Any, job_id: str, kind: str, **fields: Any) -> None:
+    """Append one event to `events:{id}`, keeping the newest EVENTS_CAP."""
+    k = events_key(job_id)
+    pipe = client.pipeline(transaction=False)
+    pipe.rpush(k, event(kind, **fields))
+    pipe.ltrim(k, -EVENTS_CAP, -1)
+    pipe.execute()
+
+
+def read_events(client: Any, job_id: str) -> list[dict[str, Any]]:
+    return [json.loads(e) for e in client.lrange(events_key(job_id), 0, -1)]
+
+
+def celery_queue_length(client: Any, device_key: str) -> int:
+    """Messages waiting in the device's Celery queue (every priority list); the message a
+    worker has reserved is not counted."""
+    q = queue_name(device_key)
+    pipe = client.pipeline(transaction=False)
+    for step in CELERY_PRIORITY_STEPS:
+        pipe.llen(q if step == 0 else f"{q}\x06\x16{step}")
+    return int(sum(pipe.execute()))

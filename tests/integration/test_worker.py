@@ -1,0 +1,397 @@
+"""The worker against a real redis-server, real worker processes and the real runtime running
+the tiny model, without any scheduler: each test writes a job record in state `placed` with a
+dispatch id, sends the Celery task to the device's queue, and reads what the worker wrote.
+
+Two workers per module: `plain` (test hooks off, as in production) and `hooked`
+(SDFARM_TEST_HOOKS=1, for the tests that end the worker's process on purpose).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from sdfarm.native.devices import Device, HostFigures
+from sdfarm.native.png import read_params
+from sdfarm.worker import hooks
+from sdfarm.worker import protocol as P
+
+SMALL = {"prompt": "a red cat", "width": 64, "height": 64, "steps": 1, "seed": 7}
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+class Worker:
+    """One `python -m sdfarm.worker.main` process on the CPU under a unique host name."""
+
+    def __init__(self, url: str, models: Path, log: Path, env: dict[str, str]) -> None:
+        import redis
+
+        self.host = f"wt-{uuid.uuid4().hex[:8]}"
+        self.key = P.device_key(self.host, "CPU")
+        self.redis = redis.Redis.from_url(url)
+        self.log = log
+        cmd = [
+            sys.executable, "-m", "sdfarm.worker.main", "--device", "cpu", "--redis", url,
+            "--models", str(models), "--host", self.host, "--threads", "1", "--json",
+        ]  # fmt: skip
+        self._err = log.open("wb")
+        self.proc = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=self._err, env={**os.environ, **env}
+        )
+        self.started = json.loads(self.proc.stdout.readline() or b"{}")  # type: ignore[union-attr]
+        self.heartbeat()  # wait for the pool process
+
+    def heartbeat(self, timeout: float = 30.0, until: Callable[[dict], bool] | None = None) -> dict:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            raw = self.redis.get(P.heartbeat_key(self.key))
+            if raw:
+                doc = json.loads(raw)
+                if until is None or until(doc):
+                    return doc
+            assert self.proc.poll() is None, f"worker exited: {self.log.read_text()[-3000:]}"
+            time.sleep(0.1)
+        raise AssertionError(f"no matching heartbeat within {timeout} s: {self.log.read_text()}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._err.close()
+
+
+class Farm:
+    """Just enough of a scheduler and a client to drive one worker."""
+
+    def __init__(self, url: str) -> None:
+        import redis
+
+        from sdfarm.worker.app import make_app
+
+        # redis-py 8 reads with a 5 s socket timeout by default: BLPOP needs longer.
+        self.redis = redis.Redis.from_url(url, socket_timeout=120)
+        self.app = make_app(url)
+
+    def place(
+        self,
+        worker: Worker,
+        params: dict[str, Any] | None = None,
+        model: str = "tiny-f16",
+        *,
+        log_level: str = "info",
+        send: bool = True,
+        send_dispatch: str | None = None,
+        before_send: Callable[[str], None] | None = None,
+    ) -> str:
+        """Write a placed job record (as the scheduler would) and send its task."""
+        job_id, dispatch = P.new_job_id(), uuid.uuid4().hex
+        spec = P.JobSpec(model=model, params=dict(params or SMALL), log_level=log_level)
+        record = P.new_job_record(job_id, spec, 0)
+        record.update(state="placed", device=worker.key, dispatch=dispatch)
+        self.redis.hset(P.job_key(job_id), mapping=record)
+        self.redis.hset(P.running_key(worker.key), job_id, dispatch)
+        if before_send:
+            before_send(job_id)
+        if send:
+            self.app.send_task(
+                P.TASK_NAME,
+                args=[job_id, send_dispatch or dispatch],
+                queue=P.queue_name(worker.key),
+            )
+        return job_id
+
+    def wait(self, job_id: str, timeout: float = 30.0) -> str:
+        got = self.redis.blpop([P.done_key(job_id)], timeout=timeout)
+        assert got is not None, f"job {job_id} did not end: {self.job(job_id)}"
+        self.redis.rpush(P.done_key(job_id), got[1])  # leave the token for other readers
+        return got[1].decode()
+
+    def job(self, job_id: str) -> dict[str, str]:
+        return {k.decode(): v.decode() for k, v in self.redis.hgetall(P.job_key(job_id)).items()}
+
+    def result(self, job_id: str) -> dict[str, bytes]:
+        return {k.decode(): v for k, v in self.redis.hgetall(P.result_key(job_id)).items()}
+
+    def events(self, job_id: str) -> list[str]:
+        return [e["event"] for e in P.read_events(self.redis, job_id)]
+
+    def wait_state(self, job_id: str, state: str, timeout: float = 20.0) -> None:
+        deadline = time.monotonic() + timeout
+        while self.job(job_id).get("state") != state:
+            assert time.monotonic() < deadline, f"job {job_id} never {state}: {self.job(job_id)}"
+            time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def farm(redis_server: Any) -> Farm:
+    return Farm(redis_server.url)
+
+
+def _worker(
+    redis_server: Any, models_dir: Path, tmp: Path, env: dict[str, str]
+) -> Iterator[Worker]:
+    clean = {k: v for k, v in env.items()}
+    w = Worker(redis_server.url, models_dir, tmp / "worker.log", clean)
+    try:
+        yield w
+    finally:
+        w.stop()
+
+
+@pytest.fixture(scope="module")
+def plain(
+    redis_server: Any, models_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Worker]:
+    os.environ.pop(hooks.TEST_HOOKS_ENV, None)
+    yield from _worker(redis_server, models_dir, tmp_path_factory.mktemp("plain"), {})
+
+
+@pytest.fixture(scope="module")
+def hooked(
+    redis_server: Any, models_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Worker]:
+    env = {hooks.TEST_HOOKS_ENV: "1"}
+    yield from _worker(redis_server, models_dir, tmp_path_factory.mktemp("hooked"), env)
+
+
+# -- the plain worker -------------------------------------------------------------------------
+
+
+def test_job_result_holds_png_metadata_records_and_heartbeat(farm: Farm, plain: Worker) -> None:
+    job_id = farm.place(plain)
+    assert farm.wait(job_id) == "done"
+    job = farm.job(job_id)
+    assert job["state"] == "done" and job["error"] == ""
+    assert float(job["ended"]) >= float(job["started"]) >= float(job["created"])
+    assert json.loads(job["records"]), "load records stored before generating"
+    assert farm.redis.hget(P.running_key(plain.key), job_id) is None
+
+    res = farm.result(job_id)
+    assert res["count"] == b"1" and res["png:0"].startswith(PNG_MAGIC)
+    chunk = read_params(res["png:0"])
+    assert chunk["prompt"] == "a red cat" and chunk["seed"] == 7 and chunk["model"] == "tiny-f16"
+    meta = json.loads(res["meta"])
+    assert meta["job"] == job_id and meta["model"] == "tiny-f16"
+    assert meta["host"] == plain.host and meta["device"] == "CPU"
+    assert meta["fit_plan"]["device"] == "CPU" and meta["warnings"] == []
+    timings = meta["timings"]
+    for name in ("queued_s", "load_s", "generate_s", "encode_s", "upload_s"):
+        assert timings[name] >= 0, name
+    assert timings["load_s"] > 0
+    records = json.loads(res["records"])
+    assert records and all(r["message"].startswith("stable_diffusion: ") for r in records)
+    assert any("generate_image" in r["message"] for r in records)
+
+    events = farm.events(job_id)
+    assert events[:3] == ["running", "loading", "loaded"] and events[-1] == "done"
+    assert "step" in events
+    progress = json.loads(farm.redis.get(P.progress_key(job_id)))
+    assert progress["step"] == progress["steps"] == 1
+
+    hb = plain.heartbeat(until=lambda d: any(m["name"] == "tiny-f16" for m in d["loaded"]))
+    assert hb["key"] == plain.key and hb["type"] == "cpu" and hb["backend"] == "CPU"
+    assert set(hb["models"]) == {"tiny-f16", "tiny-q8_0"}
+    assert hb["models"]["tiny-f16"]["native_size"] == [256, 256]
+    assert hb["compute_figure"] <= hb["capacity"] and hb["queue"] == 0
+    assert hb["version"]["sd"].startswith("master-596")
+    assert farm.redis.sismember(P.DEVICES_KEY, plain.key)
+    # The runtime lives only in the pool process, never in the parent that forks it.
+    assert "libstable-diffusion" not in Path(f"/proc/{plain.proc.pid}/maps").read_text()
+    assert "libstable-diffusion" in Path(f"/proc/{hb['pid']}/maps").read_text()
+
+
+def test_second_job_for_the_same_model_does_not_load_again(farm: Farm, plain: Worker) -> None:
+    first = farm.place(plain)
+    farm.wait(first)
+    second = farm.place(plain, {**SMALL, "seed": 8}, log_level="none")
+    assert farm.wait(second) == "done"
+    assert "loading" not in farm.events(second)
+    meta = json.loads(farm.result(second)["meta"])
+    assert meta["timings"]["load_s"] == 0 and meta["seed"] == 8
+    assert json.loads(farm.result(second)["records"]) == []  # log_level none
+
+
+def test_stale_dispatch_is_dropped(farm: Farm, plain: Worker) -> None:
+    stale = farm.place(plain, send_dispatch="not-the-current-dispatch")
+    after = farm.place(plain)  # the queue is FIFO with one process: stale ran first
+    assert farm.wait(after) == "done"
+    job = farm.job(stale)
+    assert job["state"] == "placed" and "started" not in job and "incarnation" not in job
+    assert not farm.redis.exists(P.result_key(stale), P.done_key(stale), P.events_key(stale))
+
+
+def test_invalid_param_fails_the_job_and_the_worker_serves_the_next(
+    farm: Farm, plain: Worker
+) -> None:
+    before = plain.heartbeat()["incarnation"]
+    bad = farm.place(plain, {**SMALL, "width": 0})  # written past the client's validation
+    assert farm.wait(bad) == "failed"
+    job = farm.job(bad)
+    assert "width" in job["error"] and "64..4096" in job["error"]
+    assert "failed" in farm.events(bad)
+    assert json.loads(farm.result(bad)["meta"])["error"] == job["error"]
+    good = farm.place(plain)
+    assert farm.wait(good) == "done"
+    assert plain.heartbeat()["incarnation"] == before  # the same process went on
+
+
+def test_unknown_or_escaping_model_names_fail_clearly(farm: Farm, plain: Worker) -> None:
+    unknown = farm.place(plain, model="no-such-model")
+    escaping = farm.place(plain, model="../tiny-f16")
+    assert farm.wait(unknown) == "failed" and farm.wait(escaping) == "failed"
+    assert "unknown model 'no-such-model'" in farm.job(unknown)["error"]
+    assert "invalid model name" in farm.job(escaping)["error"]
+
+
+def test_a_size_too_large_for_the_host_fails_with_estimate_and_figures(
+    farm: Farm, plain: Worker
+) -> None:
+    job_id = farm.place(plain, {**SMALL, "width": 4096, "height": 4096})
+    assert farm.wait(job_id) == "failed"
+    job = farm.job(job_id)
+    assert "4096x4096 needs an estimated" in job["error"]
+    figures = json.loads(job["figures"])
+    assert figures[0]["device"] == plain.key and "MemAvailable" in figures[0]["figures"]
+    assert int(job["estimate"]) > 40 << 30
+    loaded = {m["name"]: m for m in plain.heartbeat()["loaded"]}
+    assert loaded["tiny-f16"]["estimate"] < 1 << 30  # a refused size leaves no trace
+
+
+def test_cancel_of_a_job_queued_on_the_device(farm: Farm, plain: Worker) -> None:
+    before = plain.heartbeat()["incarnation"]
+
+    def cancel(job_id: str) -> None:
+        farm.redis.set(P.cancel_key(job_id), "1")
+
+    job_id = farm.place(plain, before_send=cancel)
+    assert farm.wait(job_id) == "cancelled"
+    assert farm.job(job_id)["state"] == "cancelled"
+    assert not farm.redis.exists(P.result_key(job_id))
+    assert farm.redis.hget(P.running_key(plain.key), job_id) is None
+    assert plain.heartbeat()["incarnation"] == before  # not running: no process was ended
+
+
+def test_test_hooks_are_inert_without_the_environment(farm: Farm, plain: Worker) -> None:
+    spec = {"model": "m", "params": {"prompt": "x", "extra": {"test_hook": "abort"}}}
+    assert hooks.test_hook(spec, environ={}) is None
+    assert hooks.test_hook(spec, environ={"SDFARM_TEST_HOOKS": "0"}) is None
+    assert hooks.test_hook(spec, environ={"SDFARM_TEST_HOOKS": "1"}) == "abort"
+    before = plain.heartbeat()["incarnation"]
+    job_id = farm.place(plain, {**SMALL, "extra": {"test_hook": "abort"}})
+    assert farm.wait(job_id) == "done"
+    assert plain.heartbeat()["incarnation"] == before
+
+
+# -- the hooked worker: processes that end on purpose --------------------------------------
+
+
+def test_cancel_while_running_ends_the_process_and_the_next_job_runs(
+    farm: Farm, hooked: Worker
+) -> None:
+    first = farm.place(hooked)
+    assert farm.wait(first) == "done"  # something finished before the cancel: kept
+    before = hooked.heartbeat()["incarnation"]
+    job_id = farm.place(hooked, {**SMALL, "extra": {"test_hook": "sleep:60"}})
+    farm.wait_state(job_id, "running")
+    t = time.monotonic()
+    farm.redis.set(P.cancel_key(job_id), "1")
+    assert farm.wait(job_id, timeout=10) == "cancelled"
+    assert time.monotonic() - t < 5
+    assert farm.result(first)["count"] == b"1"
+    hb = hooked.heartbeat(until=lambda d: d["incarnation"] != before)
+    assert hb["loaded"] == []  # a fresh process: the engine goes with the old one
+    nxt = farm.place(hooked)
+    assert farm.wait(nxt) == "done"
+    assert "loading" in farm.events(nxt)
+
+
+def test_abort_leaves_the_job_running_for_the_scheduler_to_recover(
+    farm: Farm, hooked: Worker
+) -> None:
+    before = hooked.heartbeat()["incarnation"]
+    job_id = farm.place(hooked, {**SMALL, "extra": {"test_hook": "abort"}})
+    hb = hooked.heartbeat(until=lambda d: d["incarnation"] != before)
+    job = farm.job(job_id)
+    assert job["state"] == "running" and job["incarnation"] == before != hb["incarnation"]
+    assert not farm.redis.exists(P.done_key(job_id))
+    nxt = farm.place(hooked)
+    assert farm.wait(nxt) == "done"
+
+
+# -- the uploader's cap, against the real Redis --------------------------------------------
+
+
+def test_a_result_above_the_cap_fails_with_a_clear_error(farm: Farm) -> None:
+    from PIL import Image
+
+    from sdfarm.worker.results import Finished, Uploader
+
+    job_id, dispatch, key = P.new_job_id(), "d1", "cap-host/CPU"
+    farm.redis.hset(P.job_key(job_id), mapping={"state": "running", "dispatch": dispatch})
+    up = Uploader(farm.redis, key, max_result_bytes=100)
+    image = Image.new("RGB", (64, 64), (200, 10, 10))
+    assert up.write(Finished(job_id, dispatch, "done", meta={"prompt": "x"}, images=[image]))
+    job = farm.job(job_id)
+    assert job["state"] == "failed" and "result too large" in job["error"]
+    assert "png:0" not in farm.result(job_id)
+    # and a job that is no longer ours is left alone
+    farm.redis.hset(P.job_key(job_id), mapping={"state": "placed", "dispatch": "d2"})
+    assert not up.write(Finished(job_id, dispatch, "done", images=[image]))
+    assert farm.job(job_id)["state"] == "placed"
+
+
+def test_device_figures_for_cpu_and_gpu() -> None:
+    from sdfarm.worker.heartbeat import cache_limits, device_figures
+
+    gib = 1 << 30
+    gpu = Device(1, "Vulkan1", "GPU", "gpu", 20 * gib, 24 * gib)
+    cpu = Device(0, "CPU", "CPU", "cpu", 64 * gib, 64 * gib)
+    figs = HostFigures((cpu, gpu), 30 * gib)
+    cfg = hooks.WorkerConfig("redis://x", "h", gpu, "Vulkan1", [], figs)
+    assert device_figures(cfg, 30 * gib, 4 * gib) == {
+        "capacity": 20 * gib,
+        "compute_figure": 16 * gib,
+        "slow_figure": 46 * gib,
+    }
+    assert cache_limits(cfg) == (20 * gib, 50 * gib)
+    cfg.memory_limit = 8 * gib
+    assert device_figures(cfg, 30 * gib, 4 * gib)["slow_figure"] == 4 * gib
+    assert cache_limits(cfg) == (8 * gib, None)
+    cfg_cpu = hooks.WorkerConfig("redis://x", "h", cpu, "CPU", [], figs)
+    assert device_figures(cfg_cpu, 30 * gib, 2 * gib) == {
+        "capacity": 32 * gib,
+        "compute_figure": 30 * gib,
+        "slow_figure": 30 * gib,
+    }
+
+
+def test_device_pinning_and_sizes() -> None:
+    from sdfarm.worker.main import parse_size, pin_environment
+
+    assert parse_size("8GiB") == 8 << 30 and parse_size("512 MiB") == 512 << 20
+    assert parse_size("1.5G") == 3 << 29 and parse_size("1000") == 1000
+    cpu = Device(0, "CPU", "CPU", "cpu", 1, 1)
+    vk = Device(1, "Vulkan1", "GPU", "gpu", 1, 2)
+    cuda = Device(2, "CUDA1", "GPU", "gpu", 1, 2)
+    figs = HostFigures((cpu, vk), 1)
+    env: dict[str, str] = {}
+    assert pin_environment(vk, figs, env) == "Vulkan1" and env == {"SD_VK_DEVICE": "1"}
+    env = {}
+    assert pin_environment(cpu, figs, env) == "CPU" and env == {"GGML_VK_VISIBLE_DEVICES": ""}
+    env = {"CUDA_VISIBLE_DEVICES": "4,6"}
+    assert pin_environment(cuda, HostFigures((cpu, cuda), 1), env) == "CUDA0"
+    assert env == {"CUDA_VISIBLE_DEVICES": "6"}

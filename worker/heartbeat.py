@@ -1,0 +1,206 @@
+"""Heartbeats: what the scheduler knows about a device, refreshed every HEARTBEAT_INTERVAL.
+
+The scheduler places jobs from these documents alone (no RPC to workers), so each carries the
+device's figures, what the worker holds (loaded engines and their estimates) and every model
+it can load with the facts needed for an estimate. A heartbeat that stops (TTL) means the
+worker is gone; a new `incarnation` means its process was replaced and lost its running job.
+
+The figures:
+- capacity: the device's figure when our engines hold nothing, capped by --memory-limit. A GPU
+  uses its figure read at startup (nothing was loaded yet); the CPU and integrated GPUs use
+  MemAvailable now plus what our engines hold.
+- compute_figure: capacity minus our loaded estimates (what a new model can use next to them).
+- slow_figure: the slower path, for a GPU this device's remaining figure plus MemAvailable (the
+  worker is pinned to one GPU, so the engine's own check counts only it), for the CPU the
+  compute figure.
+
+The device figures come from the parent's startup probe (a subprocess: querying a GPU would
+initialise the driver); MemAvailable is re-read every beat, which is cheap.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import threading
+import time
+from typing import TYPE_CHECKING, Any
+
+from sdfarm.native.devices import gpu_figure
+from sdfarm.native.probe import mem_available
+from sdfarm.worker import protocol
+
+if TYPE_CHECKING:
+    from sdfarm.worker.hooks import Context, WorkerConfig
+
+log = logging.getLogger("sdfarm.worker")
+
+MODELS_RESCAN_S = 10.0
+
+
+def _uses_gpu_memory(device_type: str) -> bool:
+    return device_type in ("gpu", "accel")
+
+
+def _cap(value: int, limit: int | None) -> int:
+    return value if limit is None else min(value, limit)
+
+
+def device_figures(config: WorkerConfig, mem_avail: int | None, held: int) -> dict[str, int]:
+    """capacity, compute_figure and slow_figure for this worker (see the module docstring)."""
+    dev, limit = config.device, config.memory_limit
+    mem = mem_avail or 0
+    if _uses_gpu_memory(dev.type):
+        figure = gpu_figure(dev)
+        capacity = _cap(figure if figure is not None else mem, limit)
+        compute = max(0, capacity - held)
+        slow = compute + mem
+        if limit is not None:
+            slow = min(slow, max(0, limit - held))
+    else:
+        base = mem + held
+        if dev.total > 0:
+            base = min(base, dev.total)
+        capacity = _cap(base, limit)
+        compute = max(0, capacity - held)
+        slow = compute
+    return {"capacity": capacity, "compute_figure": compute, "slow_figure": slow}
+
+
+def cache_limits(config: WorkerConfig) -> tuple[int, int | None]:
+    """The engine cache's capacity and its overflow (the slower path a single big model may
+    take on a GPU), from the startup figures."""
+    figs = device_figures(config, config.figures.mem_available, 0)
+    if _uses_gpu_memory(config.device.type) and figs["slow_figure"] > figs["capacity"]:
+        return figs["capacity"], figs["slow_figure"]
+    return figs["capacity"], None
+
+
+def version() -> dict[str, str]:
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as dist_version
+
+    from sdfarm.native.build import SOURCES
+
+    try:
+        ours = dist_version("sdfarm")
+    except PackageNotFoundError:
+        ours = "unknown"
+    return {"sdfarm": ours, "sd": SOURCES["sd_version"]}
+
+
+class ModelFacts:
+    """{name: {"bytes", "native_size"}} for every model in the catalog, re-read only when a
+    model's folder changes (headers of big models are not free to parse every second)."""
+
+    def __init__(self, catalog: Any) -> None:
+        self._catalog = catalog
+        self._known: dict[str, tuple[float, dict[str, Any]]] = {}
+        self.bad: dict[str, str] = {}
+        self._scanned = 0.0
+        self._facts: dict[str, dict[str, Any]] = {}
+
+    def get(self) -> dict[str, dict[str, Any]]:
+        now = time.monotonic()
+        if self._scanned and now - self._scanned < MODELS_RESCAN_S:
+            return self._facts
+        self._scanned = now
+        facts: dict[str, dict[str, Any]] = {}
+        bad: dict[str, str] = {}
+        for name in self._catalog.names():
+            try:
+                path = self._catalog.path(name)
+                stamp = max([path.stat().st_mtime] + [p.stat().st_mtime for p in path.iterdir()])
+                known = self._known.get(name)
+                if known is None or known[0] != stamp:
+                    model = self._catalog.load(name)
+                    known = (
+                        stamp,
+                        {"bytes": model.total_bytes, "native_size": list(model.native_size)},
+                    )
+                    self._known[name] = known
+                facts[name] = known[1]
+            except Exception as exc:  # noqa: BLE001 - a broken model is reported, not fatal
+                bad[name] = str(exc)
+        self._facts, self.bad = facts, bad
+        return facts
+
+
+class Heartbeat:
+    """A daemon thread in the process that runs jobs: SET hb:{device_key} EX HEARTBEAT_TTL and
+    SADD devices, every HEARTBEAT_INTERVAL. It never waits on the runtime."""
+
+    def __init__(self, ctx: Context) -> None:
+        self._ctx = ctx
+        self._stop = threading.Event()
+        self._models = ModelFacts(ctx.catalog)
+        self._version = version()
+        self._thread = threading.Thread(target=self._run, name="sdfarm-heartbeat", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, withdraw: bool = False) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        if withdraw:
+            with contextlib.suppress(Exception):  # Redis may be gone at shutdown
+                self._ctx.redis.delete(protocol.heartbeat_key(self._ctx.config.device_key))
+
+    def payload(self) -> dict[str, Any]:
+        ctx, cfg = self._ctx, self._ctx.config
+        dev = cfg.device
+        mem = mem_available()
+        held = ctx.cache.held_bytes()
+        state = ctx.state
+        if ctx.cache.loading:
+            state = "loading"
+        return {
+            "host": cfg.host,
+            "device": dev.name,
+            "key": cfg.device_key,
+            "backend": _backend_family(dev.name),
+            "type": dev.type,
+            "description": dev.description,
+            "free": dev.free,
+            "total": dev.total,
+            **device_figures(cfg, mem, held),
+            "mem_available": mem,
+            "loaded": ctx.cache.snapshot(),
+            "loading": ctx.cache.loading,
+            "models": self._models.get(),
+            "bad_models": self._models.bad,
+            "queue": protocol.celery_queue_length(ctx.redis, cfg.device_key),
+            "state": state,
+            "current_job": ctx.current_job,
+            "version": self._version,
+            "incarnation": ctx.incarnation,
+            "pid": os.getpid(),
+            "memory_limit": cfg.memory_limit,
+            "keep_alive": cfg.keep_alive,
+            "ts": time.time(),
+        }
+
+    def beat(self) -> None:
+        cfg = self._ctx.config
+        doc = json.dumps(self.payload())
+        pipe = self._ctx.redis.pipeline(transaction=False)
+        pipe.set(protocol.heartbeat_key(cfg.device_key), doc, px=int(protocol.HEARTBEAT_TTL * 1000))
+        pipe.sadd(protocol.DEVICES_KEY, cfg.device_key)
+        pipe.execute()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            t = time.monotonic()
+            try:
+                self.beat()
+            except Exception as exc:  # noqa: BLE001 - keep beating through Redis restarts
+                log.warning("heartbeat failed: %s", exc)
+            self._stop.wait(max(0.05, protocol.HEARTBEAT_INTERVAL - (time.monotonic() - t)))
+
+
+def _backend_family(device_name: str) -> str:
+    """ "Vulkan1" -> "Vulkan", "CUDA0" -> "CUDA", "CPU" -> "CPU"."""
+    return device_name.rstrip("0123456789") or device_name

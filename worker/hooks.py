@@ -1,0 +1,272 @@
+"""The worker process's life: what the Celery parent hands to each pool child, what the child
+starts (threads only) and stops, and the test hooks.
+
+The parent never initialises the runtime (a GPU driver does not survive a fork), so it only
+probes figures in a subprocess and fills a `WorkerConfig`. Each prefork child builds its own
+`Context` in `worker_process_init` (Redis client, engine cache, uploader, heartbeat and janitor
+threads) and must return within Celery's 4 s limit, so nothing is loaded there: models load on
+the first job that needs them. A child that ends itself (a cancel during generation) is
+replaced by a fresh one with a new incarnation id and an empty cache.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from sdfarm.native.devices import Device, HostFigures
+from sdfarm.worker import protocol
+
+log = logging.getLogger("sdfarm.worker")
+
+TEST_HOOKS_ENV = "SDFARM_TEST_HOOKS"
+
+
+@dataclass
+class WorkerConfig:
+    """Everything a pool child needs, decided in the parent before the fork."""
+
+    redis_url: str
+    host: str
+    device: Device  # as the host lists it (the heartbeat's figures)
+    engine_device: str  # the name this process's runtime sees after pinning (CUDA: CUDA0)
+    models: list[str]
+    figures: HostFigures  # the host at startup, read in a subprocess
+    memory_limit: int | None = None
+    keep_alive: float = 300.0
+    pins: list[str] = field(default_factory=list)
+    threads: int | None = None
+    backend: str | None = None
+    engine_log_level: str = "info"
+    celery_hostname: str = ""
+
+    @property
+    def device_key(self) -> str:
+        return protocol.device_key(self.host, self.device.name)
+
+    @property
+    def queue(self) -> str:
+        return protocol.queue_name(self.device_key)
+
+
+_config: WorkerConfig | None = None
+_context: Context | None = None
+
+
+def configure(config: WorkerConfig) -> None:
+    """Called in the parent before the pool forks; children inherit it."""
+    global _config
+    _config = config
+
+
+def context() -> Context:
+    """This process's context (started by worker_process_init, or lazily for the solo pool)."""
+    global _context
+    if _context is None or _context.pid != os.getpid():
+        if _config is None:
+            raise RuntimeError("the sdfarm worker is not configured (run sdfarm worker)")
+        _context = Context(_config)
+        _context.start()
+    return _context
+
+
+class Context:
+    """One pool child's state: Redis, the engine cache, the uploader, the heartbeat."""
+
+    def __init__(self, config: WorkerConfig) -> None:
+        import redis
+
+        from sdfarm.native.catalog import Catalog
+        from sdfarm.worker.engine_cache import EngineCache
+        from sdfarm.worker.heartbeat import Heartbeat, cache_limits
+        from sdfarm.worker.results import Uploader
+
+        self.config = config
+        self.pid = os.getpid()
+        self.incarnation = uuid.uuid4().hex
+        self.worker_name = f"{config.celery_hostname or socket.gethostname()}:{self.pid}"
+        # Writes of up to MAX_RESULT_BYTES need more than redis-py 8's default 5 s timeout.
+        self.redis = redis.Redis.from_url(
+            config.redis_url, health_check_interval=30, socket_timeout=60
+        )
+        self.catalog = Catalog(config.models)
+        capacity, overflow = cache_limits(config)
+        self.cache = EngineCache(
+            self._load_engine,
+            capacity,
+            keep_alive=config.keep_alive,
+            pinned=set(config.pins),
+            overflow_bytes=overflow,
+        )
+        self.uploader = Uploader(self.redis, config.device_key)
+        self.heartbeat = Heartbeat(self)
+        self.state = "idle"
+        self.current_job: str | None = None
+        self.load_records: dict[str, list[dict[str, Any]]] = {}
+        # name -> (job id or None, Model, estimate): what the loader loads for that name
+        self.load_requests: dict[str, tuple[str | None, Any, int]] = {}
+        self.last_load: dict[str, Any] | None = None
+        self._stop = threading.Event()
+        self._janitor = threading.Thread(target=self._expire_loop, name="sdfarm-janitor")
+        self._janitor.daemon = True
+
+    def start(self) -> None:
+        self.uploader.start()
+        self.heartbeat.start()
+        self._janitor.start()
+        if self.config.pins:
+            threading.Thread(target=self._preload, name="sdfarm-preload", daemon=True).start()
+
+    def stop(self) -> None:
+        """Graceful end of this child: write every finished result, withdraw the heartbeat
+        (the scheduler sees the device gone at once), free the engines."""
+        self._stop.set()
+        self.uploader.flush(30.0)
+        self.uploader.stop()
+        self.heartbeat.stop(withdraw=True)
+        self.cache.clear()
+
+    def set_state(self, state: str, job_id: str | None = None) -> None:
+        self.state = state
+        if state == "idle":
+            self.current_job = None
+        elif job_id is not None:
+            self.current_job = job_id
+
+    def _load_engine(self, name: str) -> Any:
+        """EngineCache's loader: loads the model the current job resolved (through the
+        catalog only) on this worker's pinned device, with events and timing for the job."""
+        from sdfarm.native.engine import Engine, LogConfig
+
+        job_id, model, estimate = self.load_requests[name]
+        previous = self.state
+        self.set_state("loading", job_id)
+        if job_id:
+            protocol.push_event(self.redis, job_id, "loading", model=name, estimate=estimate)
+        t0 = time.monotonic()
+        try:
+            engine = Engine.load(
+                model,
+                device=self.config.engine_device,
+                pinned=self.config.engine_device,
+                log=LogConfig(level=self.config.engine_log_level),
+                threads=self.config.threads,
+                backend=self.config.backend,
+            )
+        finally:
+            self.set_state(previous, job_id)
+        load_s = time.monotonic() - t0
+        self.load_records[name] = [r.as_dict() for r in engine.drain_load_records()]
+        self.last_load = {
+            "job": job_id,
+            "model": name,
+            "load_s": round(load_s - engine.warmup_seconds, 4),
+            "warmup_s": round(engine.warmup_seconds, 4),
+        }
+        if job_id:
+            protocol.push_event(
+                self.redis,
+                job_id,
+                "loaded",
+                model=name,
+                load_s=self.last_load["load_s"],
+                warmup_s=self.last_load["warmup_s"],
+            )
+        return engine
+
+    def request_engine(
+        self, name: str, model: Any, estimate: int, job_id: str | None, need: int | None = None
+    ) -> Any:
+        """The engine for `model` (loaded under `name` when absent): EngineCache.get with
+        what its loader needs. The caller releases it (`cache.release(name)`)."""
+        self.load_requests[name] = (job_id, model, max(estimate, need or 0))
+        try:
+            return self.cache.get(name, estimate, need)
+        finally:
+            self.load_requests.pop(name, None)
+
+    def _preload(self) -> None:
+        """--pin: load pinned models in the background after start (never inside
+        worker_process_init, which must return within seconds); jobs wait for the load lock."""
+        from sdfarm.native.memory import estimate_bytes
+
+        for name in self.config.pins:
+            try:
+                model = self.catalog.load(name)
+                w, h = model.native_size
+                self.request_engine(
+                    name, model, estimate_bytes(model.total_bytes, w, h, w * h), None
+                )
+                self.cache.release(name)
+            except Exception as exc:  # noqa: BLE001 - a bad pin is reported, jobs go on
+                log.error("could not load pinned model %s: %s", name, exc)
+
+    def _expire_loop(self) -> None:
+        """Keep-alive expiry off the heartbeat thread: disposing waits for the runtime's lock,
+        which a running generation holds, and a heartbeat must never wait that long."""
+        period = max(0.5, min(5.0, self.config.keep_alive / 4))
+        while not self._stop.wait(period):
+            try:
+                for name in self.cache.expire():
+                    self.load_records.pop(name, None)
+                    log.info("unloaded %s after %.0f s idle", name, self.config.keep_alive)
+            except Exception:  # noqa: BLE001 - the janitor must outlive one bad dispose
+                log.exception("engine expiry failed")
+
+
+# -- Celery signal handlers -----------------------------------------------------------------
+
+
+def on_process_init(**_: Any) -> None:
+    """worker_process_init: start this child's threads (never load a model here)."""
+    context()
+
+
+def on_process_shutdown(**_: Any) -> None:
+    """worker_process_shutdown: nothing finished may be lost."""
+    if _context is not None and _context.pid == os.getpid():
+        try:
+            _context.stop()
+        except Exception:  # noqa: BLE001 - shutting down anyway
+            log.exception("worker shutdown")
+
+
+def connect_signals() -> None:
+    from celery import signals
+
+    signals.worker_process_init.connect(on_process_init, weak=False)
+    signals.worker_process_shutdown.connect(on_process_shutdown, weak=False)
+
+
+# -- test hooks -------------------------------------------------------------------------------
+
+
+def test_hooks_enabled(environ: dict[str, str] | None = None) -> bool:
+    return (os.environ if environ is None else environ).get(TEST_HOOKS_ENV) == "1"
+
+
+def test_hook(spec: dict[str, Any], environ: dict[str, str] | None = None) -> str | None:
+    """The job's `test_hook` ("abort", "sleep:N"), from params.extra or the spec itself, but
+    only when SDFARM_TEST_HOOKS=1 in the worker's environment; None otherwise, always."""
+    if not test_hooks_enabled(environ):
+        return None
+    params = spec.get("params") if isinstance(spec.get("params"), dict) else {}
+    extra = params.get("extra") if isinstance(params.get("extra"), dict) else {}
+    hook = extra.get("test_hook", spec.get("test_hook"))
+    return hook if isinstance(hook, str) and hook else None
+
+
+def hook_sleep_seconds(hook: str | None) -> float:
+    """N for "sleep:N", else 0."""
+    if hook and hook.startswith("sleep:"):
+        try:
+            return max(0.0, float(hook.split(":", 1)[1]))
+        except ValueError:
+            return 0.0
+    return 0.0

@@ -1,0 +1,211 @@
+"""`sdfarm worker`: one Celery worker for one device of this host.
+
+The parent process reads the host's figures in a subprocess (querying a GPU initialises its
+driver, which must never happen before a fork), resolves the device, pins the runtime to it
+through the environment (master-596 picks devices only from environment variables), then
+runs a Celery prefork pool of one process that consumes only this device's queue. Engines,
+the heartbeat and the uploader live in that pool process (sdfarm.worker.hooks).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import re
+import socket
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from sdfarm.native.devices import Device, HostFigures, choose_compute_device
+
+SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?B?)\s*$", re.IGNORECASE)
+
+
+def parse_size(text: str) -> int:
+    """ "8GiB", "8G", "512MiB", "1.5 GiB", "1000000" -> bytes (K/M/G/T are powers of 1024)."""
+    m = SIZE.match(text)
+    if not m:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (use e.g. 8GiB, 512MiB)")
+    power = " KMGT".index(m.group(2).upper() or " ")
+    return int(float(m.group(1)) * 1024**power)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of `sdfarm worker` (the CLI wires them; `python -m sdfarm.worker.main` too)."""
+    parser.add_argument(
+        "--device",
+        default="auto",
+        help="device name as `sdfarm devices` lists it (CPU, Vulkan0, CUDA1), or auto (the "
+        "discrete GPU with the most free memory), gpu or cpu (default auto)",
+    )
+    parser.add_argument(
+        "--redis",
+        default=os.environ.get("SDFARM_REDIS", "redis://127.0.0.1:6379/0"),
+        help="Redis URL of the farm (default $SDFARM_REDIS or redis://127.0.0.1:6379/0)",
+    )
+    parser.add_argument(
+        "--models",
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="a models directory (repeatable; default $SDFARM_MODELS); jobs name models only "
+        "inside these",
+    )
+    parser.add_argument(
+        "--host", default=None, help="host name in the farm (default: this machine's hostname)"
+    )
+    parser.add_argument(
+        "--memory-limit",
+        type=parse_size,
+        default=None,
+        metavar="SIZE",
+        help="cap what this worker's engines may hold, e.g. 8GiB (default: the device's figure)",
+    )
+    parser.add_argument(
+        "--keep-alive",
+        type=float,
+        default=300.0,
+        metavar="SECONDS",
+        help="unload a model idle this long (default 300)",
+    )
+    parser.add_argument(
+        "--pin",
+        action="append",
+        default=[],
+        metavar="MODEL",
+        help="load MODEL at start and never unload it (repeatable)",
+    )
+    parser.add_argument(
+        "--threads", type=int, default=None, help="CPU threads per engine (default: all cores)"
+    )
+    parser.add_argument(
+        "--backend",
+        default=None,
+        help="runtime build to use: cpu, vulkan, cuda, metal (default $SDFARM_BACKEND or cpu)",
+    )
+    parser.add_argument(
+        "--json", action="store_true", help="print one JSON line describing the worker at start"
+    )
+
+
+def pin_environment(
+    device: Device, figs: HostFigures, environ: dict[str, str] | Any = os.environ
+) -> str:
+    """Point the runtime at `device` through the environment (inherited by the pool process
+    and the probes it runs) and return the name that process's runtime will see it by."""
+    name = device.name
+    digits = name[len(name.rstrip("0123456789")) :]
+    if name.startswith("Vulkan") and digits:
+        environ["SD_VK_DEVICE"] = digits
+        return name
+    if name.startswith("CUDA") and digits:
+        visible = [v.strip() for v in environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v]
+        environ["CUDA_VISIBLE_DEVICES"] = (
+            visible[int(digits)] if int(digits) < len(visible) else digits
+        )
+        return "CUDA0"
+    if device.type == "cpu":
+        # The runtime computes on the first GPU it finds: hide them from a CPU worker.
+        if any(d.name.startswith("Vulkan") for d in figs.devices):
+            environ["GGML_VK_VISIBLE_DEVICES"] = ""
+        if any(d.name.startswith("CUDA") for d in figs.devices):
+            environ["CUDA_VISIBLE_DEVICES"] = ""
+    return name
+
+
+def build_config(args: argparse.Namespace) -> Any:
+    """Probe (in a subprocess), choose and pin the device: the WorkerConfig for the pool."""
+    from sdfarm.native.catalog import model_dirs
+    from sdfarm.native.probe import read_host_figures
+    from sdfarm.worker.hooks import WorkerConfig
+
+    if args.backend:
+        os.environ["SDFARM_BACKEND"] = args.backend
+    figs = read_host_figures(args.backend)
+    device = choose_compute_device(figs, args.device)
+    engine_device = pin_environment(device, figs)
+    host = args.host or socket.gethostname()
+    dirs = [str(d) for d in model_dirs(args.models)]
+    if not dirs:
+        raise SystemExit("sdfarm worker: no models directory (--models DIR or $SDFARM_MODELS)")
+    return WorkerConfig(
+        redis_url=args.redis,
+        host=host,
+        device=device,
+        engine_device=engine_device,
+        models=dirs,
+        figures=figs,
+        memory_limit=args.memory_limit,
+        keep_alive=args.keep_alive,
+        pins=list(args.pin),
+        threads=args.threads,
+        backend=args.backend or os.environ.get("SDFARM_BACKEND"),
+        celery_hostname=f"sdfarm.{device.name}@{host}",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the worker until it is stopped (SIGTERM: finish the running job, then exit)."""
+    from sdfarm.worker import hooks
+    from sdfarm.worker.app import make_app
+    from sdfarm.worker.heartbeat import cache_limits
+
+    logging.basicConfig(
+        level=logging.WARNING,
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    config = build_config(args)
+    hooks.configure(config)
+    hooks.connect_signals()
+    app = make_app(config.redis_url)
+    capacity, overflow = cache_limits(config)
+    doc = {
+        "event": "worker",
+        "host": config.host,
+        "device": config.device.name,
+        "key": config.device_key,
+        "queue": config.queue,
+        "type": config.device.type,
+        "engine_device": config.engine_device,
+        "capacity": capacity,
+        "overflow": overflow,
+        "models": config.models,
+        "pid": os.getpid(),
+    }
+    if args.json:
+        sys.stdout.write(json.dumps(doc) + "\n")
+        sys.stdout.flush()
+        os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # keep stdout to the one document
+    else:
+        print(
+            f"sdfarm worker {config.device_key} ({config.device.type}) on queue {config.queue}",
+            file=sys.stderr,
+        )
+    worker = app.Worker(
+        hostname=config.celery_hostname,
+        pool_cls="prefork",
+        concurrency=1,
+        queues=[config.queue],
+        loglevel="WARNING",
+        without_gossip=True,
+        without_mingle=True,
+        without_heartbeat=True,
+        quiet=True,
+        redirect_stdouts=False,
+    )
+    worker.start()
+    return int(worker.exitcode or 0)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="sdfarm worker", description=__doc__.split("\n\n")[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

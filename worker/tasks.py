@@ -1,0 +1,343 @@
+"""The generate task: one Celery message = "run job X under dispatch D" on this device.
+
+The message carries only ids; the job itself is read from Redis after an atomic claim, so a
+message that outlived its placement (the job was re-placed, cancelled or already ran) is
+dropped without a trace. Everything a user sent is checked again here before any native call
+(the runtime aborts the process on some inputs) and model names resolve only through the
+worker's model directories. A job that fails for a reason of its own (bad parameters, a model
+that does not load or fit, a runtime error) fails alone: the worker goes on with the next.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from dataclasses import fields
+from typing import Any
+
+from sdfarm.native import logs
+from sdfarm.native.engine import LogConfig
+from sdfarm.native.errors import EngineError, InvalidParameterError, ModelTooLargeError
+from sdfarm.worker import hooks, protocol
+from sdfarm.worker.results import Finished
+
+log = logging.getLogger("sdfarm.worker")
+
+PROGRESS_MIN_INTERVAL = 0.1  # at most 10 progress writes per second
+CANCEL_POLL_S = 0.2
+CANCEL_EXIT_CODE = 0  # a cancel is not a crash; Celery replaces the process either way
+
+
+def run_job(job_id: str, dispatch: str) -> None:
+    """The Celery task TASK_NAME (registered by sdfarm.worker.app.make_app)."""
+    JobRun(hooks.context(), str(job_id), str(dispatch)).run()
+
+
+class JobRun:
+    """One run of one job in this worker process."""
+
+    def __init__(self, ctx: hooks.Context, job_id: str, dispatch: str) -> None:
+        self.ctx = ctx
+        self.job_id = job_id
+        self.dispatch = dispatch
+        self.redis = ctx.redis
+        self.timings: dict[str, float] = {"load_s": 0.0}
+        self.meta: dict[str, Any] = {
+            "job": job_id,
+            "host": ctx.config.host,
+            "device": ctx.config.device.name,
+            "device_key": ctx.config.device_key,
+            "incarnation": ctx.incarnation,
+        }
+        self.level = "none"
+        self.log_prompts = False
+        self._last_pub = 0.0
+        self._last_step: tuple[int, int] | None = None
+        self._cancel_lock = threading.Lock()
+
+    # -- the run ---------------------------------------------------------------------------
+
+    def run(self) -> None:
+        ctx = self.ctx
+        if not protocol.claim(
+            self.redis, self.job_id, self.dispatch, ctx.incarnation, ctx.worker_name
+        ):
+            log.info("dropped a stale message for job %s (dispatch %s)", self.job_id, self.dispatch)
+            return
+        ctx.set_state("busy", self.job_id)
+        try:
+            self._run()
+        except Exception as exc:  # noqa: BLE001 - a bug fails this job, not the worker
+            log.exception("job %s failed inside the worker", self.job_id)
+            self._fail(f"internal error in the worker: {type(exc).__name__}: {exc}")
+        finally:
+            ctx.set_state("idle")
+
+    def _run(self) -> None:
+        record = {
+            protocol.decode(k): protocol.decode(v)
+            for k, v in self.redis.hgetall(protocol.job_key(self.job_id)).items()
+        }
+        started = _float(record.get("started"), time.time())
+        self.timings["queued_s"] = round(
+            max(0.0, started - _float(record.get("created"), started)), 4
+        )
+        try:
+            spec_doc = json.loads(record.get("spec") or "{}")
+            if not isinstance(spec_doc, dict):
+                raise ValueError("not a JSON object")
+        except ValueError as exc:
+            self._fail(f"invalid job spec: {exc}")
+            return
+        hook = hooks.test_hook(spec_doc)
+        if hook == "abort":
+            self.ctx.uploader.flush(10.0)
+            log.warning("test hook: aborting the process in job %s", self.job_id)
+            os.abort()
+        if self._cancel_requested():
+            self._end("cancelled")
+            return
+        try:
+            spec = _job_spec(spec_doc)
+            self.meta["model"] = spec.model
+            self.level = spec.log_level
+            self.log_prompts = spec.log_prompts
+            params = _params(spec)
+            model = self.ctx.catalog.load(spec.model)
+            w, h = model.native_size
+            from sdfarm.native.memory import estimate_bytes
+
+            held = estimate_bytes(model.total_bytes, w, h, w * h)
+            need = estimate_bytes(model.total_bytes, params.width, params.height, w * h)
+            engine = self.ctx.request_engine(spec.model, model, held, self.job_id, need)
+        except EngineError as exc:
+            self._fail(str(exc), _error_records(exc), self._refusal_fields(exc))
+            return
+        try:
+            self._generate(spec.model, engine, params, hooks.hook_sleep_seconds(hook))
+        except EngineError as exc:
+            if engine.poisoned:
+                self.ctx.cache.drop(spec.model)
+            self._fail(
+                str(exc),
+                self._load_records(spec.model) + _error_records(exc),
+                self._refusal_fields(exc),
+            )
+        finally:
+            self.ctx.cache.release(spec.model)
+
+    def _generate(self, name: str, engine: Any, params: Any, sleep_s: float) -> None:
+        loaded = (
+            self.ctx.last_load if (self.ctx.last_load or {}).get("job") == self.job_id else None
+        )
+        if loaded:
+            self.timings["load_s"] = loaded["load_s"]
+            self.timings["warmup_s"] = loaded["warmup_s"]
+        # Before any native call: if the runtime kills this process, the scheduler's poison
+        # report quotes these records.
+        self.redis.hset(
+            protocol.job_key(self.job_id),
+            "records",
+            json.dumps(self.ctx.load_records.get(name, [])),
+        )
+        if self._cancel_requested():
+            self._end("cancelled")
+            return
+        with CancelWatch(self):
+            if sleep_s:
+                time.sleep(sleep_s)
+            result = engine.generate(
+                params,
+                progress=self._progress,
+                log=LogConfig(level=self.level, log_prompts=self.log_prompts),
+            )
+        meta = {**result.metadata, **self.meta}
+        meta["engine_device"] = result.metadata.get("device")
+        meta["seeds"] = [params.seed + i for i in range(len(result.images))]
+        meta["timings"] = {**self.timings, **result.metadata.get("timings", {})}
+        records = (self._load_records(name) if loaded else []) + [
+            r.as_dict() for r in result.records
+        ]
+        self.ctx.uploader.submit(
+            Finished(
+                self.job_id,
+                self.dispatch,
+                "done",
+                meta=meta,
+                records=_visible(records, self.level),
+                images=list(result.images),
+                png_params=[{**meta, "seed": s} for s in meta["seeds"]],
+            )
+        )
+
+    # -- progress and cancel -----------------------------------------------------------------
+
+    def _progress(self, step: int, steps: int, s_per_step: float) -> None:
+        """The engine's progress callback (its watcher thread): throttled progress and step
+        events, and a cancel check on each write."""
+        now = time.monotonic()
+        if (step, steps) == self._last_step:
+            return
+        if step < steps and now - self._last_pub < PROGRESS_MIN_INTERVAL:
+            return
+        self._last_pub, self._last_step = now, (step, steps)
+        doc = {"step": step, "steps": steps, "s_per_step": round(float(s_per_step), 4)}
+        ek = protocol.events_key(self.job_id)
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.set(protocol.progress_key(self.job_id), json.dumps(doc), ex=protocol.RESULT_TTL)
+        pipe.rpush(ek, protocol.event("step", **doc))
+        pipe.ltrim(ek, -protocol.EVENTS_CAP, -1)
+        pipe.exists(protocol.cancel_key(self.job_id))
+        try:
+            if pipe.execute()[-1]:
+                self.cancel_running()
+        except Exception as exc:  # noqa: BLE001 - progress is best effort
+            log.warning("progress of job %s not published: %s", self.job_id, exc)
+
+    def _cancel_requested(self) -> bool:
+        return bool(self.redis.exists(protocol.cancel_key(self.job_id)))
+
+    def cancel_running(self) -> None:
+        """A cancel while the runtime generates: master-596 cannot stop, so this process ends.
+        Earlier jobs' results are written first; Celery starts a fresh process."""
+        if not self._cancel_lock.acquire(blocking=False):
+            return
+        log.warning("job %s cancelled while running: ending this worker process", self.job_id)
+        try:
+            self.ctx.uploader.flush(15.0)
+            protocol.finish(
+                self.redis, self.job_id, self.dispatch, self.ctx.config.device_key, "cancelled"
+            )
+        finally:
+            os._exit(CANCEL_EXIT_CODE)
+
+    # -- endings -------------------------------------------------------------------------------
+
+    def _end(
+        self,
+        state: str,
+        error: str = "",
+        records: list[dict[str, Any]] | None = None,
+        job_fields: dict[str, str] | None = None,
+    ) -> None:
+        meta = None if state == "cancelled" else {**self.meta, "timings": dict(self.timings)}
+        self.ctx.uploader.submit(
+            Finished(
+                self.job_id,
+                self.dispatch,
+                state,
+                meta=meta,
+                records=records or [],
+                error=error,
+                job_fields=job_fields or {},
+            )
+        )
+
+    def _fail(
+        self,
+        message: str,
+        records: list[dict[str, Any]] | None = None,
+        job_fields: dict[str, str] | None = None,
+    ) -> None:
+        log.info("job %s failed: %s", self.job_id, message)
+        self._end("failed", message, records, job_fields)
+
+    def _refusal_fields(self, exc: BaseException) -> dict[str, str] | None:
+        """A memory refusal here (the engine's check, the cache, a size too large for the
+        host) reports its estimate and figures in the job record like placement's refusal."""
+        if not isinstance(exc, ModelTooLargeError):
+            return None
+        cfg = self.ctx.config
+        figures = {
+            "device": cfg.device_key,
+            "type": cfg.device.type,
+            "source": "worker",
+            "figures": exc.figures,
+        }
+        self.meta.update(estimate=exc.estimate, figures=exc.figures)
+        return {"figures": json.dumps([figures]), "estimate": str(exc.estimate)}
+
+    def _load_records(self, name: str) -> list[dict[str, Any]]:
+        return _visible(self.ctx.load_records.get(name, []), self.level)
+
+
+class CancelWatch:
+    """Polls `cancel:{id}` while the job runs native code (or sleeps in a test hook): the
+    engine's progress callback only fires per step, and a step can take minutes."""
+
+    def __init__(self, job: JobRun) -> None:
+        self._job = job
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="sdfarm-cancel", daemon=True)
+
+    def __enter__(self) -> CancelWatch:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stop.wait(CANCEL_POLL_S):
+            try:
+                if self._job._cancel_requested():
+                    self._job.cancel_running()
+            except Exception as exc:  # noqa: BLE001 - keep watching through a Redis blip
+                log.warning("cancel check failed: %s", exc)
+
+
+# -- parsing ---------------------------------------------------------------------------------
+
+
+def _float(value: str | None, default: float) -> float:
+    try:
+        return float(value) if value else default
+    except ValueError:
+        return default
+
+
+def _job_spec(doc: dict[str, Any]) -> protocol.JobSpec:
+    """A JobSpec from the stored JSON, ignoring fields this worker does not know (a newer
+    client may add some); InvalidParameterError naming what is missing or malformed."""
+    known = {f.name for f in fields(protocol.JobSpec)}
+    if not isinstance(doc.get("model"), str):
+        raise InvalidParameterError("model", "the job names no model")
+    if not isinstance(doc.get("params", {}), dict):
+        raise InvalidParameterError("params", "must be an object")
+    spec = protocol.JobSpec(**{k: v for k, v in doc.items() if k in known})
+    try:
+        logs.level_number(spec.log_level)
+    except ValueError as exc:
+        raise InvalidParameterError("log_level", str(exc)) from None
+    return spec
+
+
+def _params(spec: protocol.JobSpec) -> Any:
+    from sdfarm.native.params import GenerationParams, validate
+
+    known = {f.name for f in fields(GenerationParams)}
+    unknown = sorted(set(spec.params) - known)
+    if unknown:
+        raise InvalidParameterError(unknown[0], "unknown parameter")
+    if "prompt" not in spec.params:
+        raise InvalidParameterError("prompt", "missing")
+    return validate(GenerationParams(**spec.params))
+
+
+def _visible(records: list[dict[str, Any]], level: str) -> list[dict[str, Any]]:
+    floor = logs.level_number(level)
+    if floor >= logs.LEVELS["none"]:
+        return []
+    return [r for r in records if logs.LEVELS.get(r.get("level", "info"), 1) >= floor]
+
+
+def _error_records(exc: BaseException) -> list[dict[str, Any]]:
+    """The runtime's error records an engine error quotes, as result records."""
+    return [
+        {"seq": 0, "level": "error", "message": str(m), "source": "sd", "location": ""}
+        for m in getattr(exc, "records", []) or []
+    ]
