@@ -293,23 +293,46 @@ def ensure_runtime(
                 )
             )
             _log(f"runtime built in {time.monotonic() - started:.0f} s -> {out}")
-        tag = sysconfig.get_config_var("EXT_SUFFIX") or sys.implementation.cache_tag
-        moddir = out / ("shim-" + _key(_shim_hash(), tag))
-        if not any(moddir.glob(MODULE_NAME + "*")):
-            build_shim(out, moddir)
-        lib = next(out.glob("libstable-diffusion.*"))
-        exe = next((str(out / e) for e in ("sd-cli", "sd") if (out / e).exists()), None)
-        return RuntimeBuild(
-            backend,
-            key,
-            str(out),
-            str(lib),
-            str(moddir),
-            SOURCES["sd_version"],
-            SOURCES["sha256"] if source is None else source_id,
-            compiler,
-            exe,
-        )
+        return _finish(out, backend, key, source_id, compiler)
+
+
+def _finish(out: Path, backend: str, key: str, source_id: str, compiler: str) -> RuntimeBuild:
+    """Compile the shim for this Python against the runtime in `out` (once) and describe it."""
+    tag = sysconfig.get_config_var("EXT_SUFFIX") or sys.implementation.cache_tag
+    moddir = out / ("shim-" + _key(_shim_hash(), tag))
+    if not any(moddir.glob(MODULE_NAME + "*")):
+        build_shim(out, moddir)
+    lib = next(out.glob("libstable-diffusion.*"))
+    exe = next((str(out / e) for e in ("sd-cli", "sd") if (out / e).exists()), None)
+    return RuntimeBuild(
+        backend,
+        key,
+        str(out),
+        str(lib),
+        str(moddir),
+        SOURCES["sd_version"],
+        source_id,
+        compiler,
+        exe,
+    )
+
+
+def prebuilt_runtime(directory: str | os.PathLike[str]) -> RuntimeBuild:
+    """A runtime built elsewhere (`$SDFARM_RUNTIME_DIR`: a folder with libstable-diffusion,
+    include/ and build.json, as `sdfarm build` leaves it), e.g. carried to a GPU host or baked
+    into an image; only the shim is compiled here."""
+    out = Path(directory).expanduser().resolve()
+    manifest = out / "build.json"
+    if not manifest.exists() or not any(out.glob("libstable-diffusion.*")):
+        raise BuildError(f"{out} holds no runtime build (no build.json / libstable-diffusion)")
+    facts = json.loads(manifest.read_text())
+    return _finish(
+        out,
+        facts.get("backend", "cpu"),
+        out.name,
+        facts.get("source", "?"),
+        facts.get("compiler", "?"),
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
