@@ -22,7 +22,7 @@ over computes the same order).
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 PRIORITY_INTERACTIVE = 0
@@ -95,6 +95,25 @@ def _pick(queues: Mapping[str, deque[Pending]], counts: Mapping[str, int]) -> st
     return min(queues, key=lambda s: (counts.get(s, 0), queues[s][0].age_key))
 
 
+def iter_order(
+    pending: Sequence[Pending], running_by_submitter: Mapping[str, int]
+) -> Iterator[Pending]:
+    """`order`, lazily: the dispatcher stops as soon as every device is full, so a queue of
+    thousands costs only the picks it actually makes (plus one sort per priority)."""
+    counts = dict(running_by_submitter)
+    by_priority: dict[int, list[Pending]] = {}
+    for job in pending:
+        by_priority.setdefault(job.priority, []).append(job)
+    for priority in sorted(by_priority):
+        queues = _by_submitter(by_priority[priority])
+        while queues:
+            submitter = _pick(queues, counts)
+            yield queues[submitter].popleft()
+            counts[submitter] = counts.get(submitter, 0) + 1
+            if not queues[submitter]:
+                del queues[submitter]
+
+
 def order(pending: Sequence[Pending], running_by_submitter: Mapping[str, int]) -> list[Pending]:
     """The full dispatch order (queue positions for `sdfarm status` and the client).
 
@@ -102,17 +121,7 @@ def order(pending: Sequence[Pending], running_by_submitter: Mapping[str, int]) -
     submitter, across priorities, so a submitter's interactive jobs also use up its share at
     batch priority. The first element is always `next_job(...)`.
     """
-    counts = dict(running_by_submitter)
-    result: list[Pending] = []
-    for priority in sorted({j.priority for j in pending}):
-        queues = _by_submitter([j for j in pending if j.priority == priority])
-        while queues:
-            submitter = _pick(queues, counts)
-            result.append(queues[submitter].popleft())
-            counts[submitter] = counts.get(submitter, 0) + 1
-            if not queues[submitter]:
-                del queues[submitter]
-    return result
+    return list(iter_order(pending, running_by_submitter))
 
 
 def next_job(pending: Sequence[Pending], running_by_submitter: Mapping[str, int]) -> Pending | None:

@@ -8,7 +8,8 @@ old leader would have on the same state.
 
 Tiers, best first, per alive device that accepts work (SPEC "scheduler: placement across hosts"):
 
-1. ``loaded``        the model is already loaded here: no load, no warm-up.
+1. ``loaded``        the model is already loaded here and the job's size fits next to it
+                     (the estimate grows with the image size): no load, no warm-up.
 2. ``fits``          the estimate fits the device's compute figure as it is now.
 3. ``fits-evicting`` it fits the compute figure once idle, unpinned engines are evicted
                      (least recently used first, only as many as needed).
@@ -257,8 +258,9 @@ def tier_for(
     Backlog room is not looked at here: a full device still has a tier, which decides whether
     the job waits for it (see `place`).
     """
-    if any(m.name == job.model for m in device.loaded):
-        return TIER_LOADED, ()
+    held = next((m for m in device.loaded if m.name == job.model), None)
+    if held is not None:
+        return _tier_for_held(job, device, held, now)
     candidates = _evictable(device, now)
     evict = _evict_to_fit(device.compute_figure, job.estimate, candidates)
     if evict == ():
@@ -266,6 +268,27 @@ def tier_for(
     if evict is not None:
         return TIER_FITS_EVICTING, evict
     evict = _evict_to_fit(device.slow_figure, job.estimate, candidates)
+    if evict is not None:
+        return TIER_SLOW_PATH, evict
+    return None
+
+
+def _tier_for_held(
+    job: JobRequest, device: DeviceState, held: LoadedModel, now: float
+) -> tuple[str, tuple[str, ...]] | None:
+    """The model is loaded here. Its engine holds `held.estimate` (the estimate at the size it
+    last ran); a job at a larger size needs the difference on top, the estimate grows with
+    the image size (native/memory.py). Within the free figure it is the ``loaded`` tier;
+    otherwise other idle engines are evicted, or it takes the slow path, like a new load
+    would but counting what the engine already holds; beyond that the device cannot take it
+    (and `place` refuses it if even the emptied device is too small)."""
+    if job.estimate <= held.estimate + device.compute_figure:
+        return TIER_LOADED, ()
+    others = [m for m in _evictable(device, now) if m.name != job.model]
+    evict = _evict_to_fit(device.compute_figure + held.estimate, job.estimate, others)
+    if evict is not None:
+        return TIER_FITS_EVICTING, evict
+    evict = _evict_to_fit(device.slow_figure + held.estimate, job.estimate, others)
     if evict is not None:
         return TIER_SLOW_PATH, evict
     return None
@@ -350,3 +373,21 @@ def place(job: JobRequest, devices: Sequence[DeviceState], now: float) -> Outcom
 
 def _placed(option: _Option) -> Placed:
     return Placed(device=option.device.key, tier=option.tier, evict=option.evict)
+
+
+def reserve_device(job: JobRequest, devices: Sequence[DeviceState], now: float) -> str | None:
+    """The device a waiting `job` should hold, or None.
+
+    A job that waits for an emptied device (no device offers it a tier now, one would once its
+    engines are freed: rule 6 of `place`) holds the roomiest such device; the dispatcher then
+    sends no job behind it in fair-share order there, so the device drains and the big job is
+    not starved by a stream of small ones. None when some device has a tier (the job waits
+    only for backlog room, which frees by itself) or none could ever hold it.
+    """
+    live = [d for d in devices if d.alive and d.accepting]
+    if any(tier_for(job, d, now) is not None for d in live):
+        return None
+    roomy = [d for d in live if job.estimate <= max(d.capacity, d.slow_capacity)]
+    if not roomy:
+        return None
+    return max(roomy, key=lambda d: (max(d.capacity, d.slow_capacity), d.key)).key

@@ -43,8 +43,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--redis",
-        default=os.environ.get("SDFARM_REDIS", "redis://127.0.0.1:6379/0"),
-        help="Redis URL of the farm (default $SDFARM_REDIS or redis://127.0.0.1:6379/0)",
+        default=os.environ.get("SDFARM_REDIS_URL"),
+        help="Redis URL of the farm (default $SDFARM_REDIS_URL)",
     )
     parser.add_argument(
         "--models",
@@ -125,9 +125,14 @@ def build_config(args: argparse.Namespace) -> Any:
     if args.backend:
         os.environ["SDFARM_BACKEND"] = args.backend
     figs = read_host_figures(args.backend)
-    device = choose_compute_device(figs, args.device)
+    try:
+        device = choose_compute_device(figs, args.device)
+    except ValueError as exc:
+        raise SystemExit(f"sdfarm worker: {exc}") from None
     engine_device = pin_environment(device, figs)
     host = args.host or socket.gethostname()
+    if not args.redis:
+        raise SystemExit("sdfarm worker: no farm given (--redis URL or $SDFARM_REDIS_URL)")
     dirs = [str(d) for d in model_dirs(args.models)]
     if not dirs:
         raise SystemExit("sdfarm worker: no models directory (--models DIR or $SDFARM_MODELS)")

@@ -15,6 +15,7 @@ from sdfarm.scheduler.placement import (
     Wait,
     figures_table,
     place,
+    reserve_device,
     tier_for,
 )
 
@@ -225,6 +226,24 @@ PLACED = [
         Placed("h1/gpu0", "fits"),
         id="per-device-backlog-limit-respected",
     ),
+    pytest.param(
+        job("sdxl", 9),
+        [dev("h1/gpu0", 2, loaded=(eng("sdxl", 7),)), dev("h2/gpu0", 40)],
+        Placed("h1/gpu0", "loaded"),
+        id="loaded-larger-size-fits-next-to-the-engine",
+    ),
+    pytest.param(
+        job("sdxl", 12),
+        [dev("h1/gpu0", 2, loaded=(eng("sdxl", 7), eng("x", 4, idle=1)))],
+        Placed("h1/gpu0", "fits-evicting", ("x",)),
+        id="loaded-larger-size-evicts-other-engines-not-itself",
+    ),
+    pytest.param(
+        job("sdxl", 20),
+        [dev("h1/gpu0", 2, slow=30, loaded=(eng("sdxl", 7),))],
+        Placed("h1/gpu0", "slow-path"),
+        id="loaded-larger-size-takes-the-slow-path",
+    ),
 ]
 
 
@@ -401,3 +420,24 @@ def test_device_state_rejects_nonsense(kwargs: dict[str, object]) -> None:
     }
     with pytest.raises(ValueError):
         DeviceState(**{**base, **kwargs})  # type: ignore[arg-type]
+
+
+def test_loaded_model_at_a_size_no_device_can_hold_is_refused() -> None:
+    """A loaded engine is no free pass: at 4096x4096 the estimate outgrows every device."""
+    outcome = place(job("sdxl", 48), [dev("h1/cpu", 3, type="cpu", loaded=(eng("sdxl", 1),))], NOW)
+    assert isinstance(outcome, Refuse)
+    assert "48.00 GiB" in outcome.reason
+
+
+def test_a_job_waiting_for_an_emptied_device_reserves_the_roomiest() -> None:
+    busy = (eng("a", 10, busy=True),)
+    devices = [
+        dev("h1/gpu0", 4, slow=4, loaded=busy),  # capacity 14
+        dev("h2/gpu0", 2, slow=2, loaded=(eng("b", 20, busy=True),)),  # capacity 22
+        dev("h3/gpu0", 1, slow=1),  # capacity 1: could never hold it
+    ]
+    assert reserve_device(job("big", 12), devices, NOW) == "h2/gpu0"
+    # Some device can take it now (only backlog room missing): nothing to reserve.
+    assert reserve_device(job("big", 3), devices, NOW) is None
+    # Nothing could ever hold it: refused, not reserved.
+    assert reserve_device(job("huge", 100), devices, NOW) is None

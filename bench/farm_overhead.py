@@ -1,0 +1,116 @@
+"""What the farm adds to a job: the same tiny-model jobs in-process and through a local farm.
+
+Sequential jobs give the per-job latency; the farm's added latency per job is its
+submit-to-result time minus the runtime's own generation time for that job (reported in the
+result's metadata), so it counts everything the farm does: queueing, placement, the Celery
+hop, PNG encoding, the upload and the wake-up of the client. A batch submitted at once gives
+the throughput, side by side with the in-process loop (generate + PNG encode per image).
+
+    python bench/farm_overhead.py [--jobs 200] [--size 64] [--steps 1] [--out FILE.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from sdfarm.native.engine import Engine
+from sdfarm.native.params import GenerationParams
+from sdfarm.native.png import png_bytes
+from sdfarm.native.testmodel import make_test_model
+
+
+def pct(values: list[float], p: float) -> float:
+    s = sorted(values)
+    return s[min(len(s) - 1, max(0, round(p / 100 * (len(s) - 1))))]
+
+
+def in_process(model: Path, jobs: int, size: int, steps: int) -> dict:
+    engine = Engine.load(model)
+    engine.generate(GenerationParams(prompt="warm", width=size, height=size, steps=steps, seed=0))
+    lat, gen = [], []
+    t0 = time.perf_counter()
+    for i in range(jobs):
+        t = time.perf_counter()
+        r = engine.generate(
+            GenerationParams(prompt=f"prompt {i}", width=size, height=size, steps=steps, seed=i)
+        )
+        png_bytes(r.image, r.metadata)
+        lat.append(time.perf_counter() - t)
+        gen.append(r.metadata["timings"]["generate_s"])
+    total = time.perf_counter() - t0
+    engine.dispose()
+    return {"latency": lat, "generate": gen, "throughput": jobs / total}
+
+
+def on_farm(models_dir: Path, model: str, jobs: int, size: int, steps: int) -> dict:
+    from sdfarm.scheduler.client import Farm
+    from sdfarm.scheduler.localfarm import LocalFarm
+
+    common = {"width": size, "height": size, "steps": steps}
+    with LocalFarm([models_dir], announce=False) as local, Farm(local.url) as farm:
+        farm.submit(model, "warm", seed=0, **common).result(timeout=300)
+        lat, gen = [], []
+        for i in range(jobs):
+            t = time.perf_counter()
+            r = farm.submit(model, f"prompt {i}", seed=i, **common).result(timeout=300)
+            lat.append(time.perf_counter() - t)
+            gen.append(r.metadata["timings"]["generate_s"])
+        t0 = time.perf_counter()
+        pending = [farm.submit(model, f"batch {i}", seed=i, **common) for i in range(jobs)]
+        for job in pending:
+            job.result(timeout=600)
+        total = time.perf_counter() - t0
+    return {"latency": lat, "generate": gen, "throughput": jobs / total}
+
+
+def summary(run: dict) -> dict:
+    added = [a - g for a, g in zip(run["latency"], run["generate"], strict=True)]
+    return {
+        "latency_p50_ms": pct(run["latency"], 50) * 1e3,
+        "latency_p99_ms": pct(run["latency"], 99) * 1e3,
+        "generate_p50_ms": pct(run["generate"], 50) * 1e3,
+        "added_p50_ms": pct(added, 50) * 1e3,
+        "added_p99_ms": pct(added, 99) * 1e3,
+        "added_mean_ms": statistics.fmean(added) * 1e3,
+        "throughput_per_s": run["throughput"],
+    }
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--jobs", type=int, default=200)
+    p.add_argument("--size", type=int, default=64)
+    p.add_argument("--steps", type=int, default=1)
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        tiny = make_test_model(Path(tmp))[0]
+        local = summary(in_process(tiny, args.jobs, args.size, args.steps))
+        farm = summary(on_farm(tiny.parent, tiny.name, args.jobs, args.size, args.steps))
+    print(f"{args.jobs} jobs, tiny model, {args.size}x{args.size}, {args.steps} step(s)")
+    print(f"{'':28} {'in-process':>12} {'farm':>12}")
+    for k in local:
+        print(f"{k:28} {local[k]:>12.2f} {farm[k]:>12.2f}")
+    ratio = farm["throughput_per_s"] / local["throughput_per_s"]
+    print(f"farm added latency per job: p50 {farm['added_p50_ms']:.2f} ms, "
+          f"p99 {farm['added_p99_ms']:.2f} ms (in-process: p50 {local['added_p50_ms']:.2f} ms, "
+          f"p99 {local['added_p99_ms']:.2f} ms, the PNG encode)")
+    print(f"throughput farm / in-process: {ratio:.3f}")
+    if args.out:
+        doc = {"bench": "farm_overhead", "jobs": args.jobs, "size": args.size,
+               "steps": args.steps, "machine": platform.platform(),
+               "date": time.strftime("%Y-%m-%d"), "in_process": local, "farm": farm,
+               "throughput_ratio": ratio}
+        Path(args.out).write_text(json.dumps(doc, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,540 @@
+"""The farm's commands of the `sdfarm` CLI: up, worker, scheduler, batch, status, cancel,
+models, and `generate` without --in-process.
+
+A command that needs a farm finds one the way `state.find_redis_url` says (--redis, then
+$SDFARM_REDIS_URL, then the local farm `sdfarm up` announced); `generate` and `batch` start a
+private local farm for the call when none runs, so the single-machine case needs no setup.
+With --json, stdout carries exactly one JSON document; progress and logs go to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import signal
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from sdfarm.scheduler.cli import EXIT_FARM, emit, error_doc, exit_code
+
+EXIT_BATCH_FAILED = 1
+
+
+class FarmNotFoundError(RuntimeError):
+    """No farm to talk to, and not enough to start one."""
+
+
+def _err(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def _fail(args: argparse.Namespace, exc: BaseException, code: int | None = None) -> int:
+    if getattr(args, "json", False):
+        emit(error_doc(exc))
+    else:
+        _err(f"error: {exc}")
+    if code is not None:
+        return code
+    rc = exit_code(exc)
+    return EXIT_FARM if rc == 1 and isinstance(exc, FarmNotFoundError | ConnectionError) else rc
+
+
+def _models_dirs(given: list[str]) -> list[Path]:
+    from sdfarm.native.catalog import model_dirs
+
+    return model_dirs(given)
+
+
+def _split_model(model: str, dirs: list[Path]) -> tuple[str, list[Path]]:
+    """`--model` may be a folder: the farm resolves names only inside its model directories
+    (a safety rule), so a folder becomes its name plus its parent directory."""
+    path = Path(model).expanduser()
+    if os.sep in model or (path.is_dir() and not any((d / model).is_dir() for d in dirs)):
+        path = path.resolve()
+        return path.name, [*dirs, path.parent]
+    return model, dirs
+
+
+@contextlib.contextmanager
+def farm_url(
+    explicit: str | None, models_dirs: list[Path], threads: int | None = None
+) -> Iterator[str]:
+    """A running farm's URL, else a private LocalFarm's for the duration of the block."""
+    from sdfarm.scheduler.state import find_redis_url
+
+    url = find_redis_url(explicit)
+    if url:
+        yield url
+        return
+    if not models_dirs:
+        raise FarmNotFoundError(
+            "no farm running (no --redis, $SDFARM_REDIS_URL or `sdfarm up`) and no model "
+            "directory to start one: give --models DIR or set SDFARM_MODELS"
+        )
+    from sdfarm.scheduler.localfarm import LocalFarm
+
+    _err("no farm running: starting a local one for this command")
+    with LocalFarm(models_dirs, threads=threads, announce=False) as farm:
+        yield farm.url
+
+
+def _connect(url: str) -> Any:
+    from sdfarm.scheduler.client import Farm
+
+    return Farm(url)
+
+
+def _need_url(args: argparse.Namespace) -> str:
+    from sdfarm.scheduler.state import find_redis_url
+
+    url = find_redis_url(getattr(args, "redis", None))
+    if not url:
+        raise FarmNotFoundError(
+            "no farm running: start one with `sdfarm up`, or give --redis URL "
+            "(or set SDFARM_REDIS_URL)"
+        )
+    return url
+
+
+# -- up / worker / scheduler ---------------------------------------------------------------------
+
+
+def _raise_interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    """The local farm in the foreground until Ctrl-C (or SIGTERM), then a clean stop."""
+    from sdfarm.scheduler.localfarm import LocalFarm
+    from sdfarm.scheduler.state import state_dir, state_path
+
+    dirs = _models_dirs(args.models)
+    if not dirs:
+        return _fail(args, FarmNotFoundError("give --models DIR (or set SDFARM_MODELS)"), 2)
+    devices = [d for spec in args.device for d in spec.split(",") if d] or None
+    # Ctrl-C and SIGTERM both stop cleanly; SIGINT is set explicitly because a shell starts
+    # background jobs with it ignored, and `kill -INT` must still stop the farm.
+    signal.signal(signal.SIGTERM, _raise_interrupt)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    farm = LocalFarm(
+        dirs,
+        devices=devices,
+        redis_url=args.redis,
+        threads=args.threads,
+        host=args.host,
+        log_dir=args.log_dir or state_dir() / "logs",
+        ready_timeout=args.timeout,
+    )
+    try:
+        farm.start()
+    except KeyboardInterrupt:
+        return 130
+    except Exception as exc:  # noqa: BLE001 - every start failure becomes a clear message
+        return _fail(args, exc, EXIT_FARM)
+    try:
+        doc = {
+            "redis_url": farm.url,
+            "devices": farm.devices,
+            "host": farm.host,
+            "models_dirs": farm.models_dirs,
+            "pids": {
+                **({"redis": farm.redis.pid} if farm.redis is not None else {}),
+                **{role: p.pid for role, p in farm.procs.items()},
+            },
+            "state_file": str(state_path()),
+            "logs": str(farm.log_dir),
+        }
+        if args.json:
+            emit(doc)
+        else:
+            print(f"farm up: {farm.url}")
+            print(f"devices: {', '.join(farm.devices)} on {farm.host}")
+            print(f"models: {', '.join(farm.models_dirs)}")
+            print(f"logs: {farm.log_dir}")
+            print("Ctrl-C stops the farm", flush=True)
+        while True:
+            gone = farm.exited()
+            if (
+                "scheduler" in gone
+                or "redis" in gone
+                or all(r in gone for r in farm.procs if r.startswith("worker:"))
+            ):
+                role = next(iter(gone))
+                _err(f"{role} exited ({gone[role]}); stopping the farm\n{farm.log_tail(role)}")
+                return EXIT_FARM
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        _err("stopping the farm")
+        return 0
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        with contextlib.suppress(KeyboardInterrupt):
+            farm.stop()
+
+
+def _delegate(module: str, prog: str, argv: list[str]) -> int:
+    import importlib
+
+    mod = importlib.import_module(module)
+    parser = argparse.ArgumentParser(prog=prog)
+    mod.add_arguments(parser)
+    return int(mod.run(parser.parse_args(argv)) or 0)
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    return _delegate("sdfarm.worker.main", "sdfarm worker", args.argv)
+
+
+def cmd_scheduler(args: argparse.Namespace) -> int:
+    return _delegate("sdfarm.scheduler.service", "sdfarm scheduler", args.argv)
+
+
+# -- batch ---------------------------------------------------------------------------------------
+
+
+def _common_params(args: argparse.Namespace) -> dict[str, Any]:
+    """Only the flags the user gave: the job's defaults are the farm's, and an item's own
+    fields always win."""
+    out = {}
+    for name in ("negative_prompt", "width", "height", "steps", "seed", "cfg_scale", "sampler"):
+        value = getattr(args, name, None)
+        if value is not None:
+            out[name] = value
+    return out
+
+
+def _progress(enabled: bool, total: int, skipped: int) -> Any:
+    from rich.console import Console
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
+
+    return Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[failed]} failed"),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+        console=Console(stderr=True),
+        disable=not enabled,
+        transient=False,
+    )
+
+
+def cmd_batch(args: argparse.Namespace) -> int:
+    from sdfarm.scheduler.batch import (
+        BatchInputError,
+        existing_files,
+        read_items,
+        run_batch,
+        split_done,
+    )
+
+    try:
+        items = read_items(args.file, args.format)
+    except (OSError, BatchInputError) as exc:
+        return _fail(args, exc, 2)
+    out = Path(args.out)
+    todo, _ = split_done(items, existing_files(out))
+    model, dirs = _split_model(args.model, _models_dirs(args.models))
+    if not todo:
+        # Nothing to render: no farm is needed (and none is started) to say so.
+        from sdfarm.scheduler.batch import Summary
+
+        summary = Summary(total=len(items), skipped=len(items), out=str(out), model=model)
+        _report(args, summary)
+        return 0
+    try:
+        with farm_url(args.redis, dirs, args.threads) as url:
+            farm = _connect(url)
+            with _progress(not args.quiet, len(todo), len(items) - len(todo)) as bar:
+                task = bar.add_task(f"{model}", total=len(todo), failed=0)
+                failed = 0
+
+                def on_progress(kind: str, item: Any, n: int) -> None:
+                    nonlocal failed
+                    failed += kind == "failed"
+                    bar.update(task, completed=n, failed=failed)
+
+                summary = run_batch(
+                    farm,
+                    items,
+                    out,
+                    model,
+                    common=_common_params(args),
+                    priority=args.priority,
+                    in_flight=args.in_flight,
+                    on_progress=on_progress,
+                    submitter=args.submitter,
+                )
+    except KeyboardInterrupt:
+        _err("interrupted: finished images are kept; run the same command again to resume")
+        return 130
+    except Exception as exc:  # noqa: BLE001 - farm start or connection failures
+        return _fail(args, exc)
+    _report(args, summary)
+    return EXIT_BATCH_FAILED if summary.failed else 0
+
+
+def _report(args: argparse.Namespace, summary: Any) -> None:
+    if args.json:
+        emit(summary.to_dict())
+    else:
+        print(summary.text())
+
+
+# -- status / cancel / models --------------------------------------------------------------------
+
+
+def _fmt_bytes(n: Any) -> str:
+    from sdfarm.native.devices import format_bytes
+
+    return format_bytes(n) if isinstance(n, int) else "-"
+
+
+def _print_status(doc: dict[str, Any]) -> None:
+    """Human form of Farm.status(): a line per device, its loaded models, then the queues."""
+    devices = doc.get("devices") or []
+    leader = doc.get("leader") or "none (no scheduler running)"
+    print(f"scheduler: {leader}")
+    if not devices:
+        print("no workers")
+    for d in devices:
+        where = d.get("key") or f"{d.get('host', '?')}/{d.get('device', '?')}"
+        alive = "" if d.get("alive", True) else "  (no heartbeat)"
+        print(
+            f"{where:<28} {d.get('type', ''):<5} {d.get('state', ''):<8} "
+            f"free {_fmt_bytes(d.get('free'))} of {_fmt_bytes(d.get('total'))}, "
+            f"figure {_fmt_bytes(d.get('figure'))}, "
+            f"MemAvailable {_fmt_bytes(d.get('mem_available'))}, "
+            f"jobs {d.get('queued', 0)}{alive}"
+        )
+        for m in d.get("loaded") or []:
+            if not isinstance(m, dict):
+                continue
+            state = "busy" if m.get("busy") else f"idle {m.get('idle_s') or 0:.0f} s"
+            pinned = ", pinned" if m.get("pinned") else ""
+            print(
+                f"    {m.get('name', '?'):<24} {state}{pinned}, "
+                f"estimate {_fmt_bytes(m.get('estimate'))}"
+            )
+    queues = doc.get("queues") or {}
+    depth = ", ".join(f"p{p}: {n}" for p, n in sorted(queues.items()) if n) or "empty"
+    print(f"queue: {depth} (pending {doc.get('pending', 0)})")
+    for job in doc.get("running") or []:
+        print(
+            f"    {job.get('id')} {job.get('state', '')} {job.get('model', '')} on "
+            f"{job.get('device') or '-'} (p{job.get('priority', '?')}, {job.get('submitter', '')})"
+        )
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    try:
+        doc = _connect(_need_url(args)).status()
+    except Exception as exc:  # noqa: BLE001
+        return _fail(args, exc)
+    if args.json:
+        emit(doc)
+    else:
+        _print_status(doc)
+    return 0
+
+
+def cmd_cancel(args: argparse.Namespace) -> int:
+    """A queued job is cancelled at once; a placed or running one on request (its worker
+    stops it), so the reply says which, and `already done` when there was nothing to do."""
+    try:
+        job = _connect(_need_url(args)).job(args.id)
+        if not job.state():
+            raise LookupError(f"no job {args.id} (unknown, or its record expired)")
+        requested = bool(job.cancel())
+        state = job.state()
+    except Exception as exc:  # noqa: BLE001
+        return _fail(args, exc)
+    doc = {"id": args.id, "cancelled": requested, "state": state}
+    if args.json:
+        emit(doc)
+    elif not requested:
+        print(f"{args.id}: already {state}")
+    else:
+        print(
+            f"{args.id}: "
+            + ("cancelled" if state == "cancelled" else f"cancel requested ({state})")
+        )
+    return 0
+
+
+def cmd_models(args: argparse.Namespace) -> int:
+    try:
+        models = _connect(_need_url(args)).models()
+    except Exception as exc:  # noqa: BLE001
+        return _fail(args, exc)
+    if args.json:
+        emit({"models": models})
+    else:
+        for m in models:
+            print(m if isinstance(m, str) else m.get("name", m))
+    return 0
+
+
+# -- generate without --in-process ---------------------------------------------------------------
+
+
+def generate_on_farm(args: argparse.Namespace) -> int:
+    """`sdfarm generate`: one job at interactive priority on the running farm (else a private
+    local farm for the call); writes the PNG(s) like --in-process does."""
+    from sdfarm.native.errors import EngineError, InvalidParameterError
+
+    model, dirs = _split_model(args.model, _models_dirs(args.models))
+    if args.device != "auto" or args.no_check_memory:
+        _err("note: --device and --no-check-memory apply to --in-process; the farm places jobs")
+    params = {
+        "negative_prompt": args.negative_prompt,
+        "width": args.width,
+        "height": args.height,
+        "steps": args.steps,
+        "seed": args.seed,
+        "cfg_scale": args.cfg_scale,
+        "sampler": args.sampler,
+        "scheduler": args.scheduler,
+        "batch_count": args.batch_count,
+    }
+    try:
+        from sdfarm.native.params import GenerationParams, validate
+
+        validate(GenerationParams(prompt=args.prompt, **params))
+        with farm_url(args.redis, dirs, args.threads) as url:
+            farm = _connect(url)
+            job = farm.submit(model, args.prompt, **params, priority=0, **_log_options(args))
+            result = job.result(args.timeout)
+    except KeyboardInterrupt:
+        return 130
+    except (InvalidParameterError, EngineError) as exc:
+        return _fail(args, exc)
+    except Exception as exc:  # noqa: BLE001 - farm errors become a message and EXIT_FARM
+        return _fail(args, exc, EXIT_FARM if exit_code(exc) == 1 else None)
+    out = Path(args.output)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    outputs = []
+    pngs = list(getattr(result, "pngs", None) or [result.png])
+    for i, data in enumerate(pngs):
+        path = out if i == 0 else out.with_name(f"{out.stem}-{i}{out.suffix}")
+        path.write_bytes(data)
+        outputs.append(str(path))
+    meta = dict(getattr(result, "metadata", {}) or {})
+    doc = {"output": outputs[0], "outputs": outputs, "job": job.id, "redis_url": url, **meta}
+    doc["records"] = list(getattr(result, "records", []) or [])
+    if args.json:
+        emit(doc)
+    else:
+        timings = meta.get("timings", {})
+        print(
+            f"{outputs[0]}: job {job.id} on {meta.get('host', '?')}/{meta.get('device', '?')}, "
+            f"seed {meta.get('seed', '?')}, generate {timings.get('generate_s', '?')} s"
+        )
+        for r in doc["records"]:
+            if isinstance(r, dict):
+                print(f"[{r.get('level')}] {r.get('message')}", file=sys.stderr)
+    return 0
+
+
+def _log_options(args: argparse.Namespace) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    if getattr(args, "log_level", "none") != "none":
+        out["log_level"] = args.log_level
+    if getattr(args, "log_prompts", False):
+        out["log_prompts"] = True
+    return out
+
+
+# -- parser --------------------------------------------------------------------------------------
+
+
+def _redis_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--redis", default=None, help="the farm's Redis URL (else $SDFARM_REDIS_URL, else `up`'s)"
+    )
+
+
+def _models_arg(p: argparse.ArgumentParser, help: str) -> None:
+    p.add_argument("--models", action="append", default=[], metavar="DIR", help=help)
+
+
+def add_farm_commands(sub: Any) -> None:
+    """Register the farm's subcommands on `sdfarm`'s subparsers."""
+    up = sub.add_parser("up", help="a local farm: redis-server, scheduler, a worker per device")
+    _models_arg(up, "a directory of models (repeatable; also $SDFARM_MODELS)")
+    up.add_argument(
+        "--device", action="append", default=[], help="devices to run workers on (default: all)"
+    )
+    up.add_argument("--redis", default=None, help="use this Redis instead of a private one")
+    up.add_argument("--threads", type=int, default=None, help="CPU threads per worker")
+    up.add_argument("--host", default=None, help="the host name in heartbeats")
+    up.add_argument("--log-dir", default=None, help="where the children's logs go")
+    up.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for workers")
+    up.add_argument("--json", action="store_true")
+    up.set_defaults(func=cmd_up)
+
+    # Delegates parse their own flags, so `sdfarm worker --help` shows the worker's.
+    for name, func, what in (
+        ("worker", cmd_worker, "run one worker (one device) of a farm"),
+        ("scheduler", cmd_scheduler, "run the scheduler of a farm"),
+    ):
+        p = sub.add_parser(name, help=what, add_help=False, prefix_chars="\x00")
+        p.add_argument("argv", nargs=argparse.REMAINDER)
+        p.set_defaults(func=func)
+
+    b = sub.add_parser("batch", help="render a file of prompts into a folder (resumable)")
+    b.add_argument("file", help="prompts: .txt (a line each), .csv or .jsonl")
+    b.add_argument("--out", required=True, help="the output folder")
+    b.add_argument("--model", required=True)
+    _models_arg(b, "model directories, used only to start a local farm when none runs")
+    b.add_argument("--format", choices=("text", "csv", "jsonl"), default=None)
+    b.add_argument("--negative-prompt", default=None)
+    b.add_argument("--width", type=int, default=None)
+    b.add_argument("--height", type=int, default=None)
+    b.add_argument("--steps", type=int, default=None)
+    b.add_argument("--seed", type=int, default=None)
+    b.add_argument("--cfg-scale", type=float, default=None)
+    b.add_argument("--sampler", default=None)
+    b.add_argument("--priority", type=int, default=9, help="0 (first) .. 9 (default: batch)")
+    b.add_argument("--in-flight", type=int, default=8, help="jobs queued on the farm at once")
+    b.add_argument("--submitter", default=None, help="the name fair share counts by")
+    b.add_argument("--threads", type=int, default=None, help="for a local farm started here")
+    b.add_argument("--quiet", action="store_true", help="no progress bar")
+    _redis_arg(b)
+    b.add_argument("--json", action="store_true")
+    b.set_defaults(func=cmd_batch)
+
+    s = sub.add_parser("status", help="hosts, devices, memory, loaded models, queues")
+    _redis_arg(s)
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=cmd_status)
+
+    c = sub.add_parser("cancel", help="cancel a queued or running job")
+    c.add_argument("id")
+    _redis_arg(c)
+    c.add_argument("--json", action="store_true")
+    c.set_defaults(func=cmd_cancel)
+
+    m = sub.add_parser("models", help="the models the farm's workers can load")
+    _redis_arg(m)
+    m.add_argument("--json", action="store_true")
+    m.set_defaults(func=cmd_models)
+
+    # `generate` (defined in cli.py) gets a timeout for the farm path.
+    gen = sub.choices.get("generate")
+    if gen is not None:
+        gen.add_argument(
+            "--timeout", type=float, default=600.0, help="seconds to wait for the farm's result"
+        )

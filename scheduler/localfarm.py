@@ -1,0 +1,264 @@
+"""A whole farm on this machine: a private redis-server, the scheduler and one worker process
+per local device, as `sdfarm up` and the tests run it.
+
+Each part is a real subprocess (`python -m sdfarm.scheduler.service`, `python -m
+sdfarm.worker.main`), exactly what a multi-host deployment runs, so the single-machine case
+exercises the same code. The device list comes from the probe subprocess (the runtime must not
+be initialised in a process that forks). Children run in their own sessions, so a Ctrl-C in
+the terminal reaches only the owner, which stops them in order (workers, scheduler, Redis);
+on Linux they also get SIGTERM if the owner dies without cleaning up.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+from sdfarm.scheduler import state as farm_state
+from sdfarm.scheduler.redis_server import RedisServer, _die_with_parent
+
+
+class LocalFarmError(RuntimeError):
+    """A part of the local farm did not start (the message quotes its stderr)."""
+
+
+def local_devices(figures: Any = None) -> list[str]:
+    """The devices that get a worker: every GPU the probe reports (discrete, integrated or
+    accelerator), else the CPU. The CPU is left out when there is a GPU: its cores feed the GPU
+    workers, and a CPU worker would compete with them for memory and time."""
+    if figures is None:
+        from sdfarm.native.probe import read_host_figures
+
+        figures = read_host_figures()
+    gpus = [d.name for d in figures.devices if d.type in ("gpu", "igpu", "accel")]
+    if gpus:
+        return gpus
+    cpus = [d.name for d in figures.devices if d.type == "cpu"]
+    return cpus[:1] or ["CPU"]
+
+
+def _tail(path: Path, n: int = 3000) -> str:
+    try:
+        return path.read_text(errors="replace")[-n:]
+    except OSError:
+        return ""
+
+
+class LocalFarm:
+    """Start with `LocalFarm(dirs).start()` or `with LocalFarm(dirs) as farm:`; `farm.url` is
+    the Redis URL to give `Farm(...)`."""
+
+    def __init__(
+        self,
+        models_dirs: Sequence[str | os.PathLike[str]],
+        devices: Sequence[str] | None = None,
+        redis_url: str | None = None,
+        threads: int | None = None,
+        *,
+        host: str | None = None,
+        announce: bool = True,
+        log_dir: str | os.PathLike[str] | None = None,
+        ready_timeout: float = 120.0,
+        grace: float = 10.0,
+        worker_args: Sequence[str] = (),
+        scheduler_args: Sequence[str] = (),
+        env: dict[str, str] | None = None,
+    ) -> None:
+        self.models_dirs = [str(Path(d).resolve()) for d in models_dirs]
+        self.devices = list(devices) if devices else []
+        self.external_redis = redis_url
+        self.threads = threads
+        self.host = host or socket.gethostname()
+        self.announce = announce
+        self.ready_timeout = ready_timeout
+        self.grace = grace
+        self.worker_args = list(worker_args)
+        self.scheduler_args = list(scheduler_args)
+        self.env = dict(os.environ if env is None else env)
+        self.env.setdefault("PYTHONUNBUFFERED", "1")
+        self._own_logs = log_dir is None
+        self.log_dir = Path(log_dir) if log_dir is not None else None
+        self.redis: RedisServer | None = None
+        self.url = redis_url or ""
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self.logs: dict[str, Path] = {}
+        self.started = 0.0
+
+    # -- starting ------------------------------------------------------------------------------
+
+    def start(self) -> LocalFarm:
+        if self.announce:
+            running = farm_state.live_state()
+            if running is not None:
+                raise LocalFarmError(
+                    f"a local farm is already running ({running.redis_url}, owner pid "
+                    f"{int(running.pids['owner'][0])}); stop it first or use --redis"
+                )
+        if not self.devices:
+            self.devices = local_devices()
+        if self.log_dir is None:
+            self.log_dir = Path(tempfile.mkdtemp(prefix="sdfarm-farm-"))
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.started = time.time()
+        try:
+            if not self.external_redis:
+                self.redis = RedisServer.start()
+                self.url = self.redis.url
+            self._spawn("scheduler", ["-m", "sdfarm.scheduler.service", "--redis", self.url])
+            for device in self.devices:
+                self._spawn(f"worker:{device}", self._worker_command(device))
+            self._wait_ready()
+            if self.announce:
+                farm_state.write_state(self.state())
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _worker_command(self, device: str) -> list[str]:
+        cmd = ["-m", "sdfarm.worker.main", "--device", device, "--redis", self.url]
+        cmd += ["--host", self.host]
+        for d in self.models_dirs:
+            cmd += ["--models", d]
+        if self.threads:
+            cmd += ["--threads", str(self.threads)]
+        return cmd + self.worker_args
+
+    def _spawn(self, role: str, args: list[str]) -> None:
+        assert self.log_dir is not None
+        extra = self.scheduler_args if role == "scheduler" else []
+        log = self.log_dir / (role.replace(":", "-") + ".log")
+        with open(log, "ab") as out:
+            self.procs[role] = subprocess.Popen(
+                [sys.executable, *args, *extra],
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=self.env,
+                start_new_session=True,
+                preexec_fn=_die_with_parent,
+            )
+        self.logs[role] = log
+
+    def heartbeat_keys(self) -> dict[str, str]:
+        from sdfarm.worker import protocol
+
+        return {d: protocol.heartbeat_key(protocol.device_key(self.host, d)) for d in self.devices}
+
+    def _wait_ready(self) -> None:
+        """Until every worker's heartbeat is in Redis; an exited child or the timeout is an
+        error quoting that child's output."""
+        import redis
+
+        client = redis.Redis.from_url(self.url)
+        waiting = self.heartbeat_keys()
+        deadline = time.monotonic() + self.ready_timeout
+        try:
+            while waiting:
+                for role, proc in self.procs.items():
+                    if proc.poll() is not None:
+                        raise LocalFarmError(
+                            f"{role} exited with {proc.returncode} while the farm started:\n"
+                            f"{_tail(self.logs[role])}"
+                        )
+                for device, hb in list(waiting.items()):
+                    if client.exists(hb):
+                        del waiting[device]
+                if not waiting:
+                    break
+                if time.monotonic() > deadline:
+                    device = next(iter(waiting))
+                    role = f"worker:{device}"
+                    raise LocalFarmError(
+                        f"no heartbeat from {role} within {self.ready_timeout:.0f} s "
+                        f"(expected key {waiting[device]}):\n{_tail(self.logs[role])}"
+                    )
+                time.sleep(0.1)
+        finally:
+            client.close()
+
+    # -- running -------------------------------------------------------------------------------
+
+    def state(self) -> farm_state.LocalState:
+        pids = {"owner": farm_state.pid_entry(os.getpid())}
+        if self.redis is not None:
+            pids["redis"] = farm_state.pid_entry(self.redis.pid)
+        for role, proc in self.procs.items():
+            pids[role] = farm_state.pid_entry(proc.pid)
+        return farm_state.LocalState(
+            redis_url=self.url,
+            pids=pids,
+            models_dirs=self.models_dirs,
+            devices=self.devices,
+            started=self.started,
+        )
+
+    def exited(self) -> dict[str, int]:
+        """Children that have ended, with their exit codes (the foreground loop watches it)."""
+        out = {r: p.returncode for r, p in self.procs.items() if p.poll() is not None}
+        if self.redis is not None and not self.redis.running():
+            out["redis"] = self.redis.proc.returncode
+        return out
+
+    def log_tail(self, role: str) -> str:
+        return _tail(self.logs[role]) if role in self.logs else ""
+
+    # -- stopping ------------------------------------------------------------------------------
+
+    def stop(self) -> None:
+        """Workers first (they finish or abandon their job), then the scheduler, then Redis:
+        SIGTERM, and SIGKILL to the whole process group after the grace period."""
+        if self.announce:
+            farm_state.remove_state(os.getpid())
+        workers = [r for r in self.procs if r.startswith("worker:")]
+        others = [r for r in self.procs if not r.startswith("worker:")]
+        for group in (workers, others):
+            for role in group:
+                self._signal(self.procs[role], signal.SIGTERM)
+            deadline = time.monotonic() + self.grace
+            for role in group:
+                proc = self.procs[role]
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(max(0.0, deadline - time.monotonic()))
+                # Pool children (Celery prefork) share the group: make sure none outlives us.
+                self._signal(proc, signal.SIGKILL, group=True)
+                proc.wait()
+        self.procs.clear()
+        if self.redis is not None:
+            self.redis.stop()
+            self.redis = None
+        if self._own_logs and self.log_dir is not None:
+            shutil.rmtree(self.log_dir, ignore_errors=True)
+            self.log_dir = None
+
+    @staticmethod
+    def _signal(proc: subprocess.Popen[bytes], sig: int, group: bool = False) -> None:
+        try:
+            if group:
+                os.killpg(proc.pid, sig)
+            elif proc.poll() is None:
+                proc.send_signal(sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def __enter__(self) -> LocalFarm:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()

@@ -1,0 +1,135 @@
+"""Batch input: the three formats, output names and the resume decision (pure)."""
+
+from __future__ import annotations
+
+import pytest
+
+from sdfarm.scheduler.batch import (
+    BatchInputError,
+    BatchItem,
+    Summary,
+    default_name,
+    detect_format,
+    parse_items,
+    slugify,
+    split_done,
+)
+
+
+def test_text_skips_blank_lines_and_comments_and_numbers_items_not_lines():
+    items = parse_items("# header\n\na red kite\n   \n  # indented comment\nTwo Cats!\n", "text")
+    assert [i.prompt for i in items] == ["a red kite", "Two Cats!"]
+    assert [i.name for i in items] == ["00000-a-red-kite", "00001-two-cats"]
+    assert [i.line for i in items] == [3, 6]
+    assert all(i.params == {} for i in items)
+
+
+def test_names_are_stable_and_readable():
+    assert slugify("A cat -- in a HAT?") == "a-cat-in-a-hat"
+    assert slugify("!!!") == "prompt"
+    long = slugify("word " * 30)
+    assert len(long) <= 40 and not long.endswith("-")
+    assert default_name(7, "a fox") == "00007-a-fox"
+    # Same input, same names: the basis of resuming.
+    text = "a\nb\nc\n"
+    assert [i.name for i in parse_items(text, "text")] == [
+        i.name for i in parse_items(text, "text")
+    ]
+
+
+def test_csv_with_optional_fields_converted():
+    text = (
+        "prompt,negative_prompt,seed,width,height,steps,cfg_scale,sampler,name\n"
+        "a kite,blurry,7,64,128,2,1.5,euler,kite\n"
+        '"a cat, sitting",,,,,,,,\n'
+    )
+    first, second = parse_items(text, "csv")
+    assert first.name == "kite"
+    assert first.params == {
+        "negative_prompt": "blurry",
+        "seed": 7,
+        "width": 64,
+        "height": 128,
+        "steps": 2,
+        "cfg_scale": 1.5,
+        "sampler": "euler",
+    }
+    assert second.prompt == "a cat, sitting" and second.params == {}
+    assert second.name == "00001-a-cat-sitting"
+
+
+def test_csv_prompt_only_and_errors():
+    assert [i.prompt for i in parse_items("prompt\nx\n\ny\n", "csv")] == ["x", "y"]
+    with pytest.raises(BatchInputError, match="no `prompt` column"):
+        parse_items("text\nx\n", "csv")
+    with pytest.raises(BatchInputError, match="unknown CSV columns"):
+        parse_items("prompt,colour\nx,red\n", "csv")
+    with pytest.raises(BatchInputError, match="line 3: steps must be an integer"):
+        parse_items("prompt,steps\nx,1\ny,many\n", "csv")
+
+
+def test_jsonl_objects_and_errors():
+    text = '{"prompt": "a", "seed": 3, "name": "first"}\n\n{"prompt": "b", "width": 64.0}\n'
+    a, b = parse_items(text, "jsonl")
+    assert (a.name, a.params) == ("first", {"seed": 3})
+    assert (b.name, b.params) == ("00001-b", {"width": 64})
+    with pytest.raises(BatchInputError, match="line 2: not JSON"):
+        parse_items('{"prompt": "a"}\n{oops\n', "jsonl")
+    with pytest.raises(BatchInputError, match="line 1: expected a JSON object"):
+        parse_items('["a"]\n', "jsonl")
+    with pytest.raises(BatchInputError, match="line 1: no prompt"):
+        parse_items('{"seed": 1}\n', "jsonl")
+    with pytest.raises(BatchInputError, match="unknown fields"):
+        parse_items('{"prompt": "a", "model": "x"}\n', "jsonl")
+    with pytest.raises(BatchInputError, match="seed must be an integer"):
+        parse_items('{"prompt": "a", "seed": 1.5}\n', "jsonl")
+    with pytest.raises(BatchInputError, match="must be a number"):
+        parse_items('{"prompt": "a", "cfg_scale": true}\n', "jsonl")
+
+
+@pytest.mark.parametrize("name", ["../escape", "a/b", ".hidden", "x.png", "", "sp ace"])
+def test_names_must_be_plain_file_names(name):
+    if name == "":
+        assert parse_items('{"prompt": "a", "name": ""}\n', "jsonl")[0].name == "00000-a"
+        return
+    with pytest.raises(BatchInputError, match="not a plain file name"):
+        parse_items(f'{{"prompt": "a", "name": "{name}"}}\n', "jsonl")
+
+
+def test_duplicate_names_are_refused():
+    with pytest.raises(BatchInputError, match="line 2: name 'x' already used on line 1"):
+        parse_items('{"prompt": "a", "name": "x"}\n{"prompt": "b", "name": "x"}\n', "jsonl")
+
+
+def test_format_from_extension():
+    assert detect_format("p.jsonl") == "jsonl"
+    assert detect_format("p.NDJSON") == "jsonl"
+    assert detect_format("p.csv") == "csv"
+    assert detect_format("p.txt") == "text"
+    assert detect_format("prompts") == "text"
+    with pytest.raises(BatchInputError, match="unknown format"):
+        parse_items("x", "yaml")
+
+
+def test_resume_skips_exactly_the_items_whose_png_exists():
+    items = parse_items("a\nb\nc\n", "text")
+    existing = {"00000-a.png", "00001-b.json", "00002-c.png.tmp", "unrelated.png"}
+    todo, skipped = split_done(items, existing)
+    # b has only its sidecar (the PNG comes last), c only a temporary file: both redone.
+    assert [i.name for i in todo] == ["00001-b", "00002-c"]
+    assert [i.name for i in skipped] == ["00000-a"]
+    todo, skipped = split_done(items, {f"{i.name}.png" for i in items})
+    assert todo == [] and len(skipped) == 3
+
+
+def test_item_fields_override_the_command_flags():
+    item = BatchItem(0, "a", "n", {"seed": 1})
+    assert item.merged({"seed": 9, "steps": 2}) == {"seed": 1, "steps": 2}
+
+
+def test_summary_document():
+    s = Summary(total=3, done=2, skipped=0, submitted=3, total_s=2.0, render_s=1.0, out="o")
+    s.failures.append({"name": "x", "index": 2, "error": "GenerationError: boom"})
+    doc = s.to_dict()
+    assert doc["failed"] == 1 and doc["images_per_s"] == 2.0 and doc["done"] == 2
+    assert "failed x: GenerationError: boom" in s.text()
