@@ -164,7 +164,8 @@ class Engine:
         self._ffi, self._lib = load_binding(backend)
         self._ring = LogRing(self._ffi, self._lib)
         self._threads = threads or max(1, (os.cpu_count() or 2))
-        self._scrub = logs.Scrubber(self.model.path_roles(), log_prompts=self._log.log_prompts)
+        self._path_roles = self.model.path_roles()
+        self._scrub = logs.Scrubber(self._path_roles, log_prompts=self._log.log_prompts)
         if verdict.action == "warn":
             self._pending.append(self._engine_record("warn", verdict.message))
         self._pending.append(self._engine_record("info", f"fit plan: {self.fit.summary()}"))
@@ -354,7 +355,7 @@ class Engine:
             )
         cfg = log or self._log
         scrub = logs.Scrubber(
-            self.model.path_roles(),
+            self._path_roles,
             (params.prompt, params.negative_prompt),
             log_prompts=cfg.log_prompts,
         )

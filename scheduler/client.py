@@ -223,16 +223,24 @@ class Job:
                 raise TimeoutError(f"job {self.id} still {state} after {timeout} s")
             got = self._r.blpop([done], timeout=max(0.001, min(left, WAIT_SLICE_S)))
             if got:
-                self._r.rpush(done, got[1])  # leave it for other waiters
                 token_seen = True
+                pipe = self._r.pipeline(transaction=False)
+                pipe.rpush(done, got[1])  # leave it for other waiters
+                pipe.hget(protocol.job_key(self.id), "state")
+                state = protocol.decode(pipe.execute()[1])
+                if state in protocol.FINAL_STATES:
+                    return state
 
     def result(self, timeout: float | None = None) -> Result:
         """The images; JobFailed / JobCancelled / TimeoutError otherwise."""
         state = self.wait(timeout)
-        rec = self.record()
         if state == "cancelled":
             raise JobCancelled(self.id)
-        raw = self._r.hgetall(protocol.result_key(self.id))
+        pipe = self._r.pipeline(transaction=False)
+        pipe.hgetall(protocol.job_key(self.id))
+        pipe.hgetall(protocol.result_key(self.id))
+        raw_rec, raw = pipe.execute()
+        rec = {protocol.decode(k): protocol.decode(v) for k, v in raw_rec.items()}
         res = {protocol.decode(k): v for k, v in raw.items()}
         records = _json(res.get("records"), None)
         if records is None:

@@ -231,8 +231,8 @@ def decode(value: bytes | str | None) -> str:
 # -- worker-side atomic steps (flow 3) --------------------------------------------------------
 
 CLAIM_LUA = """
--- KEYS: job, events   ARGV: dispatch, incarnation, started, event, events_cap, worker
-local cur = redis.call('HMGET', KEYS[1], 'state', 'dispatch')
+-- KEYS: job, events, cancel   ARGV: dispatch, incarnation, started, event, events_cap, worker
+local cur = redis.call('HMGET', KEYS[1], 'state', 'dispatch', 'spec', 'created')
 if cur[1] ~= 'placed' or cur[2] ~= ARGV[1] then
   return 0
 end
@@ -240,9 +240,11 @@ redis.call('HSET', KEYS[1], 'state', 'running', 'started', ARGV[3],
            'incarnation', ARGV[2], 'worker', ARGV[6])
 redis.call('RPUSH', KEYS[2], ARGV[4])
 redis.call('LTRIM', KEYS[2], -tonumber(ARGV[5]), -1)
-return 1
+return {cur[3] or '', cur[4] or '', redis.call('EXISTS', KEYS[3])}
 """
-"""Claim a placed job for this dispatch (1), or report the message stale (0)."""
+"""Claim a placed job for this dispatch: its spec, created time and whether a cancel is
+already asked for, in the same round trip (the start of every job is on the critical path);
+0 when the message is stale."""
 
 UPLOAD_LUA = """
 -- KEYS: job, result   ARGV: dispatch, ttl, field1, value1, ...
@@ -298,16 +300,33 @@ CELERY_PRIORITY_STEPS = (0, 3, 6, 9)
 """kombu's redis transport keeps one list per priority step: `queue` and `queue\\x06\\x16{n}`."""
 
 
-def claim(client: Any, job_id: str, dispatch: str, incarnation: str, worker: str) -> bool:
-    """CLAIM_LUA: True when this message may run the job, False when it is stale."""
+@dataclass(frozen=True)
+class Claim:
+    """What a successful claim returns: the job's spec JSON, when it was created, when this
+    worker started it, and whether a cancel was asked for before it started."""
+
+    spec: str
+    created: float
+    started: float
+    cancelled: bool
+
+
+def claim(client: Any, job_id: str, dispatch: str, incarnation: str, worker: str) -> Claim | None:
+    """CLAIM_LUA: the Claim when this message may run the job, None when it is stale."""
     started = time.time()
     ev = event("running", incarnation=incarnation, worker=worker)
-    return bool(
-        client.register_script(CLAIM_LUA)(
-            keys=[job_key(job_id), events_key(job_id)],
-            args=[dispatch, incarnation, repr(started), ev, EVENTS_CAP, worker],
-        )
+    got = client.register_script(CLAIM_LUA)(
+        keys=[job_key(job_id), events_key(job_id), cancel_key(job_id)],
+        args=[dispatch, incarnation, repr(started), ev, EVENTS_CAP, worker],
     )
+    if not got:
+        return None
+    spec, created, cancelled = got
+    try:
+        created_t = float(decode(created)) if created else started
+    except ValueError:
+        created_t = started
+    return Claim(decode(spec), created_t, started, bool(cancelled))
 
 
 def upload_images(client: Any, job_id: str, dispatch: str, pngs: list[bytes]) -> bool:

@@ -62,31 +62,26 @@ class JobRun:
 
     def run(self) -> None:
         ctx = self.ctx
-        if not protocol.claim(
+        self._t0 = time.monotonic()
+        claimed = protocol.claim(
             self.redis, self.job_id, self.dispatch, ctx.incarnation, ctx.worker_name
-        ):
+        )
+        if claimed is None:
             log.info("dropped a stale message for job %s (dispatch %s)", self.job_id, self.dispatch)
             return
         ctx.set_state("busy", self.job_id)
         try:
-            self._run()
+            self._run(claimed)
         except Exception as exc:  # noqa: BLE001 - a bug fails this job, not the worker
             log.exception("job %s failed inside the worker", self.job_id)
             self._fail(f"internal error in the worker: {type(exc).__name__}: {exc}")
         finally:
             ctx.set_state("idle")
 
-    def _run(self) -> None:
-        record = {
-            protocol.decode(k): protocol.decode(v)
-            for k, v in self.redis.hgetall(protocol.job_key(self.job_id)).items()
-        }
-        started = _float(record.get("started"), time.time())
-        self.timings["queued_s"] = round(
-            max(0.0, started - _float(record.get("created"), started)), 4
-        )
+    def _run(self, claimed: protocol.Claim) -> None:
+        self.timings["queued_s"] = round(max(0.0, claimed.started - claimed.created), 4)
         try:
-            spec_doc = json.loads(record.get("spec") or "{}")
+            spec_doc = json.loads(claimed.spec or "{}")
             if not isinstance(spec_doc, dict):
                 raise ValueError("not a JSON object")
         except ValueError as exc:
@@ -97,7 +92,7 @@ class JobRun:
             self.ctx.uploader.flush(10.0)
             log.warning("test hook: aborting the process in job %s", self.job_id)
             os.abort()
-        if self._cancel_requested():
+        if claimed.cancelled:
             self._end("cancelled")
             return
         try:
@@ -138,17 +133,21 @@ class JobRun:
             self.timings["warmup_s"] = loaded["warmup_s"]
         # Before any native call: if the runtime kills this process, the scheduler's poison
         # report quotes these records.
-        self.redis.hset(
+        # One round trip for both, since every job pays it.
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.hset(
             protocol.job_key(self.job_id),
             "records",
             json.dumps(self.ctx.load_records.get(name, [])),
         )
-        if self._cancel_requested():
+        pipe.exists(protocol.cancel_key(self.job_id))
+        if pipe.execute()[-1]:
             self._end("cancelled")
             return
         with CancelWatch(self):
             if sleep_s:
                 time.sleep(sleep_s)
+            self.timings["worker_pre_s"] = round(time.monotonic() - self._t0, 4)
             result = engine.generate(
                 params,
                 progress=self._progress,
