@@ -1,0 +1,209 @@
+#!/usr/bin/env bash
+# The GPU suite on the lent H200 machine, run from the repository root, in three phases of
+# about 8 minutes each (every command there is killed at 10 minutes):
+#
+#   bash bench/gpu_run.sh setup    # CUDA build (+ sd-cli) or the carried one, models, devices, rules
+#   bash bench/gpu_run.sh bench1   # warm-up (cuda, vulkan), speed cuda against sd-cli
+#   bash bench/gpu_run.sh bench2   # farm (cuda), memory (cuda, vulkan), speed vulkan, speed cpu
+#
+# Carried: .gl/*.deb (Vulkan loader + glvnd), .whl/*.whl (our dependencies for python3.12),
+# .carry/{redis-server, stable_diffusion_cpp_python-0.4.7.tar.gz, vulkan-runtime.tar.xz} and,
+# once a setup has built it, .carry/cuda-runtime.tar.xz (or its .part-NN pieces).
+#
+# The machine keeps /tmp only while it stays warm (30 s after a call), so every phase makes
+# sure of what it needs: the CUDA runtime (from /tmp, else unpacked from .carry, else built:
+# about 4.5 minutes, then packed into $OUT/cuda-runtime.tar.xz to carry next time) and the
+# full-size models (about a minute). Each suite command gets a deadline from what is left
+# of PHASE_BUDGET, so a phase that starts cold still ends in time, having skipped (and
+# recorded) what did not fit. Results: $OUT/<backend>/gpu-STAGE.json and $OUT/log-PHASE.txt
+# (at most 8 files come back per call).
+set -u
+
+REPO=$(pwd)
+PHASE=${1:-}
+OUT=${OUT:-/tmp/gpu-out}
+PHASE_BUDGET=${PHASE_BUDGET:-500}   # seconds; each command is killed at 600
+T0=$(date +%s)
+PY=python3
+MODELS=/tmp/models
+MODEL=$MODELS/sd-turbo-random
+TAESD=$MODELS/sd-turbo-random-taesd
+VKRT=/tmp/vkrt
+CUDART=/tmp/cudart
+CUDA_JSON=/tmp/cuda-build.json
+CUDA_TAR=.carry/cuda-runtime.tar.xz
+FARM_LOGS=/tmp/gpu-farm-logs
+MPID=""
+
+now() { echo $(( $(date +%s) - T0 )); }
+say() { echo "[$(now)s] $*"; }
+
+prep() {
+    if [ ! -e /tmp/.sdfarm-gl ]; then
+        for f in .gl/*.deb; do dpkg -x "$f" /; done
+        ldconfig && touch /tmp/.sdfarm-gl
+    fi
+    export VK_DRIVER_FILES=/usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json
+    if [ ! -e /tmp/site/.sdfarm-done ]; then
+        $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+            --target /tmp/site .whl/*.whl && touch /tmp/site/.sdfarm-done
+    fi
+    mkdir -p /tmp/pkg/sdfarm
+    for d in native worker scheduler; do ln -sfn "$REPO/$d" "/tmp/pkg/sdfarm/$d"; done
+    export PYTHONPATH=/tmp/site:/tmp/pkg
+    chmod +x .carry/redis-server 2>/dev/null
+    export PATH="$REPO/.carry:$PATH"
+    for d in /usr/local/cuda/bin /usr/local/cuda-*/bin; do
+        if [ -x "$d/nvcc" ]; then export PATH="$PATH:$d"; break; fi
+    done
+    export SDFARM_CACHE=/tmp/sdfcache
+    mkdir -p "$SDFARM_CACHE/sdist"
+    [ -e .carry/stable_diffusion_cpp_python-0.4.7.tar.gz ] &&
+        cp -n .carry/stable_diffusion_cpp_python-0.4.7.tar.gz "$SDFARM_CACHE/sdist/"
+    if [ ! -e "$VKRT/build.json" ]; then
+        mkdir -p "$VKRT" && tar xJf .carry/vulkan-runtime.tar.xz -C "$VKRT"
+    fi
+    export PYTHONUNBUFFERED=1
+    mkdir -p "$OUT"
+    say "prepared: $(nproc) cores; $(nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader 2>&1)"
+}
+
+cuda_built() {
+    [ -s "$CUDA_JSON" ] && $PY -c "
+import json, os, sys
+d = json.load(open('$CUDA_JSON'))
+sys.exit(0 if os.path.exists(d['library']) and d.get('cli') and os.path.exists(d['cli']) else 1)"
+}
+
+cuda_field() { $PY -c "import json; print(json.load(open('$CUDA_JSON'))['$1'])"; }
+
+models_ready() { [ -e "$MODEL/model.json" ] && [ -e "$TAESD/model.json" ]; }
+
+models_start() {
+    if models_ready || [ -n "$MPID" ]; then return; fi
+    say "writing the full-size models in the background (about a minute)"
+    ( $PY bench/fullsize_model.py "$MODELS" --taesd 2>&1 | sed 's/^/[models] /' ) &
+    MPID=$!
+}
+
+models_wait() {
+    if [ -n "$MPID" ]; then wait "$MPID"; MPID=""; say "models written"; fi
+}
+
+pack_cuda() {
+    local dir; dir=$(cuda_field directory)
+    tar -C "$dir" -cf - libstable-diffusion.so sd-cli include build.json | xz -T0 -6 \
+        > /tmp/cuda-runtime.tar.xz
+    local size; size=$(stat -c %s /tmp/cuda-runtime.tar.xz)
+    if [ "$size" -le $(( 16 * 1024 * 1024 - 65536 )) ]; then
+        cp /tmp/cuda-runtime.tar.xz "$OUT/"
+    else
+        split -b 15M -d /tmp/cuda-runtime.tar.xz "$OUT/cuda-runtime.tar.xz.part-"
+    fi
+    say "packed the CUDA runtime ($size bytes): carry $(cd "$OUT" && ls cuda-runtime.tar.xz*) in .carry/ next time"
+}
+
+cuda_ensure() {
+    if cuda_built; then
+        say "CUDA runtime: $(cuda_field directory)"
+        return
+    fi
+    if [ -e "$CUDA_TAR" ] || ls "$CUDA_TAR".part-* >/dev/null 2>&1; then
+        say "unpacking the carried CUDA runtime into $CUDART"
+        rm -rf "$CUDART" && mkdir -p "$CUDART"
+        if [ -e "$CUDA_TAR" ]; then cat "$CUDA_TAR"; else cat "$CUDA_TAR".part-*; fi |
+            tar xJf - -C "$CUDART"
+        $PY -c "
+import json
+print(json.dumps({'directory': '$CUDART', 'library': '$CUDART/libstable-diffusion.so',
+                  'cli': '$CUDART/sd-cli', 'carried': True}))" > "$CUDA_JSON"
+        cuda_built && return
+        say "the carried CUDA runtime is incomplete; building instead"
+        rm -f "$CUDA_JSON"
+    fi
+    say "building the CUDA runtime + sd-cli (about 4.5 minutes)"
+    command -v nvcc >/dev/null || say "WARNING: nvcc is not on the PATH"
+    if $PY -m sdfarm.native.build --backend cuda --with-cli \
+        --cmake-arg=-DCMAKE_CUDA_ARCHITECTURES=90 --json > "$CUDA_JSON.part"; then
+        mv "$CUDA_JSON.part" "$CUDA_JSON"
+        say "built: $(cat "$CUDA_JSON")"
+        pack_cuda
+    else
+        say "CUDA build FAILED"
+        for f in "$SDFARM_CACHE"/runtime/*/build.log; do
+            [ -e "$f" ] && { echo "== $f"; tail -40 "$f"; }
+        done
+    fi
+}
+
+# Everything a bench needs: the CUDA runtime and the models (written while the build runs).
+ensure() {
+    prep
+    models_start
+    cuda_ensure
+    models_wait
+    if ! cuda_built || ! models_ready; then
+        say "the CUDA runtime or the models are missing: nothing to measure"
+        exit 3
+    fi
+    CUDA_DIR=$(cuda_field directory)
+    CLI=$(cuda_field cli)
+}
+
+# suite BUDGET STAGE ARGS...: one suite command with --deadline min(BUDGET, what is left of
+# the phase - 30 s), stopped (TERM, then KILL) if it would outlive the phase.
+suite() {
+    local budget=$1; shift
+    local left=$(( PHASE_BUDGET - $(now) ))
+    if [ "$left" -lt 45 ]; then say "SKIPPED (phase budget spent): gpu_suite.py $*"; return; fi
+    local dl=$(( budget < left - 30 ? budget : left - 30 ))
+    say "gpu_suite.py $* --deadline $dl"
+    timeout -k 10 $(( left - 5 )) $PY bench/gpu_suite.py "$@" --deadline "$dl"
+    local rc=$?
+    [ $rc -eq 0 ] || say "gpu_suite.py $1 exited $rc"
+}
+
+setup() {
+    ensure
+    suite 60 devices --out "$OUT/cuda" --backend cuda --runtime-dir "$CUDA_DIR" \
+        --also-runtime "vulkan=$VKRT" --model "$MODEL"
+    suite 200 rules --out "$OUT/cuda" --backend cuda --runtime-dir "$CUDA_DIR" \
+        --also-runtime "vulkan=$VKRT" --model "$MODEL" --sizes 512
+    nvidia-smi || true
+}
+
+bench1() {
+    ensure
+    suite 50 warmup --out "$OUT/cuda" --backend cuda --runtime-dir "$CUDA_DIR" \
+        --model "$MODEL" --sizes 512 --runs 2
+    suite 100 warmup --out "$OUT/vulkan" --backend vulkan --runtime-dir "$VKRT" \
+        --model "$MODEL" --sizes 512 --runs 2
+    suite 600 speed --out "$OUT/cuda" --backend cuda --runtime-dir "$CUDA_DIR" --cli "$CLI" \
+        --model "$MODEL" --sizes 512,1024 --steps 1,4 --runs 5
+}
+
+bench2() {
+    ensure
+    suite 180 farm --out "$OUT/cuda" --backend cuda --runtime-dir "$CUDA_DIR" \
+        --model "$MODEL" --sizes 512 --jobs 200 --batch-count 8 --farm-log-dir "$FARM_LOGS"
+    suite 45 memory --out "$OUT/cuda" --backend cuda --runtime-dir "$CUDA_DIR" \
+        --model "$MODEL" --taesd-model "$TAESD" --sizes 512,1024
+    suite 60 memory --out "$OUT/vulkan" --backend vulkan --runtime-dir "$VKRT" \
+        --model "$MODEL" --taesd-model "$TAESD" --sizes 512,1024
+    suite 90 speed --out "$OUT/vulkan" --backend vulkan --runtime-dir "$VKRT" \
+        --model "$MODEL" --sizes 512,1024 --steps 1,4 --runs 3
+    suite 600 speed --out "$OUT/cpu" --backend cpu --runtime-dir "$CUDA_DIR" --cli "$CLI" \
+        --model "$MODEL" --sizes 512 --steps 1 --runs 2 --steady 2
+    for f in "$FARM_LOGS"/*.log; do [ -e "$f" ] && { echo "== $f (tail)"; tail -30 "$f"; }; done
+}
+
+case "$PHASE" in
+    setup | bench1 | bench2) ;;
+    *) echo "usage: bash bench/gpu_run.sh setup|bench1|bench2" >&2; exit 2 ;;
+esac
+set -o pipefail
+mkdir -p "$OUT"
+"$PHASE" 2>&1 | tee "$OUT/log-$PHASE.txt"
+rc=$?
+echo "[$(now)s] phase $PHASE done (exit $rc); results under $OUT"
+exit $rc
