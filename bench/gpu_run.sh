@@ -197,9 +197,20 @@ bench2() {
     for f in "$FARM_LOGS"/*.log; do [ -e "$f" ] && { echo "== $f (tail)"; tail -30 "$f"; }; done
 }
 
+# After the engine stopped using direct VAE convolution on CUDA: speed against sd-cli and
+# peak memory again, on the carried CUDA build.
+cuda_recheck() {
+    ensure
+    suite 200 speed --out "$OUT/cuda" --backend cuda --runtime-dir "$CUDA_DIR" --cli "$CLI" \
+        --model "$MODEL" --sizes 512,1024 --steps 1 --runs 3
+    suite 60 memory --out "$OUT/cuda" --backend cuda --runtime-dir "$CUDA_DIR" \
+        --model "$MODEL" --taesd-model "$TAESD" --sizes 512,1024
+}
+
 case "$PHASE" in
     setup | bench1 | bench2) ;;
-    *) echo "usage: bash bench/gpu_run.sh setup|bench1|bench2" >&2; exit 2 ;;
+    cuda_recheck) ;;
+    *) echo "usage: bash bench/gpu_run.sh setup|bench1|bench2|cuda_recheck" >&2; exit 2 ;;
 esac
 set -o pipefail
 mkdir -p "$OUT"

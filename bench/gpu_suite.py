@@ -245,7 +245,10 @@ def sd_cli_command(
         cmd += [ROLE_FLAGS[role], path]
     cmd += ["-p", prompt, "-W", str(width), "-H", str(height), "--steps", str(steps)]
     cmd += ["--seed", str(seed), "--cfg-scale", "1.0", "-t", str(threads), "--diffusion-fa"]
-    if "taesd" not in files:
+    from sdfarm.native.engine import use_vae_conv_direct
+
+    device = "CUDA0" if os.environ.get("SDFARM_SUITE_BACKEND") == "cuda" else "other"
+    if use_vae_conv_direct(files, device):
         cmd.append("--vae-conv-direct")
     if batch_count != 1:
         cmd += ["--batch-count", str(batch_count)]
@@ -2173,6 +2176,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["_child"]:
         return child_main(json.loads(argv[1]))
     args = build_parser().parse_args(argv)
+    os.environ["SDFARM_SUITE_BACKEND"] = args.backend  # sd-cli gets the engine's settings
     Path(args.out).mkdir(parents=True, exist_ok=True)
     args.model = str(Path(args.model).resolve())
     if args.taesd_model:

@@ -20,7 +20,13 @@ from typing import Any
 from PIL import Image
 
 from sdfarm.native import logs, memory
-from sdfarm.native.devices import Device, HostFigures, backend_name, gpu_figure
+from sdfarm.native.devices import (
+    Device,
+    HostFigures,
+    backend_name,
+    choose_compute_device,
+    gpu_figure,
+)
 from sdfarm.native.errors import (
     EnginePoisonedError,
     GenerationError,
@@ -146,7 +152,20 @@ class Engine:
         else:
             figs = figures() if callable(figures) else figures
         w, h = self.model.native_size
-        estimate = memory.estimate_bytes(self.model.total_bytes, w, h, w * h)
+        try:
+            planned = choose_compute_device(figs, pinned or device)
+        except ValueError:
+            planned = _fallback_device(figs)
+        self._decode_pp = (
+            memory.IM2COL_DECODE_BYTES_PER_PIXEL
+            if planned.type != "cpu"
+            and "taesd" not in self.model.files
+            and not use_vae_conv_direct(self.model.files, planned.name)
+            else 0
+        )
+        estimate = memory.estimate_bytes(
+            self.model.total_bytes, w, h, w * h, decode_per_pixel=self._decode_pp
+        )
         verdict = memory.check_memory(estimate, figs, device, pinned=pinned, enabled=check_memory)
         memory.raise_if_refused(verdict)
         self._verdict = verdict
@@ -170,6 +189,7 @@ class Engine:
             self._pending.append(self._engine_record("warn", verdict.message))
         self._pending.append(self._engine_record("info", f"fit plan: {self.fit.summary()}"))
         self._env_device(compute, figs, pinned)
+        self.capabilities_device = compute.name
 
         started = time.monotonic()
         with Engine._native_lock:
@@ -221,10 +241,7 @@ class Engine:
         p.free_params_immediately = False
         p.n_threads = self._threads
         p.diffusion_flash_attn = True
-        # Direct VAE convolution keeps the full VAE's decode inside the estimate (facts:
-        # 3.14 vs 4.06 GiB at 512x512); TAESD's decode is small either way and runs 2x slower
-        # with it on the CPU (bench/estimate_growth.py measures both).
-        p.vae_conv_direct = "taesd" not in self.model.files
+        p.vae_conv_direct = use_vae_conv_direct(self.model.files, self.capabilities_device)
         p.keep_clip_on_cpu = self.fit.keep_clip_on_cpu
         p.keep_vae_on_cpu = self.fit.keep_vae_on_cpu
         p.offload_params_to_cpu = self.fit.offload_params_to_cpu
@@ -394,7 +411,9 @@ class Engine:
 
     def estimate_for(self, width: int, height: int) -> int:
         w, h = self.capabilities.native_size
-        return memory.estimate_bytes(self.model.total_bytes, width, height, w * h)
+        return memory.estimate_bytes(
+            self.model.total_bytes, width, height, w * h, decode_per_pixel=self._decode_pp
+        )
 
     def drain_load_records(self) -> list[logs.LogRecord]:
         """Records of the load (and warm-up), once."""
@@ -447,6 +466,19 @@ class Engine:
         out = logs.visible(self._pending + raw, cfg.level, cfg.native)
         self._pending = []
         return out
+
+
+def use_vae_conv_direct(roles: Mapping[str, object], device: str) -> bool:
+    """Direct VAE convolution keeps the full VAE's decode inside the estimate on the CPU
+    (facts: 3.14 vs 4.06 GiB at 512x512) and costs nothing on Vulkan (0.30 s per 512x512
+    image on the H200), but ggml's CUDA direct convolution made the full-size model's
+    512x512 image take 2.02 s against 0.28 s without it (bench/results/gpu), so CUDA uses the
+    im2col path. TAESD's decode is small either way and runs 2x slower with it on the CPU.
+    `SDFARM_VAE_CONV_DIRECT=0|1` overrides, for measurements."""
+    forced = os.environ.get("SDFARM_VAE_CONV_DIRECT")
+    if forced in ("0", "1"):
+        return forced == "1"
+    return "taesd" not in roles and not device.startswith("CUDA")
 
 
 def _fallback_device(figs: HostFigures) -> Device:

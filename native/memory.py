@@ -50,8 +50,12 @@ def estimate_bytes(
     height: int,
     native_pixels: int,
     growth_per_pixel: int = GROWTH_BYTES_PER_PIXEL,
+    decode_per_pixel: int = 0,
 ) -> int:
     """The peak memory estimate of a loaded model generating width x height images.
+
+    `decode_per_pixel` adds working memory per output pixel at every size, for a decode the
+    seed never measured: the full VAE through im2col on CUDA (IM2COL_DECODE_BYTES_PER_PIXEL).
 
     The seed's estimate (files + a quarter + 512 MiB) covers the measured peaks at each model's
     native size; above it the peak grows with the pixel count (the VAE decode and attention
@@ -61,7 +65,16 @@ def estimate_bytes(
     if model_bytes < 0 or width < 0 or height < 0 or native_pixels < 0 or growth_per_pixel < 0:
         raise ValueError("estimate_bytes takes non-negative sizes")
     seed = model_bytes + model_bytes // 4 + SEED_OVERHEAD
-    return seed + max(0, width * height - native_pixels) * growth_per_pixel
+    grown = max(0, width * height - native_pixels) * growth_per_pixel
+    return seed + grown + width * height * decode_per_pixel
+
+
+IM2COL_DECODE_BYTES_PER_PIXEL = 10 * 1024
+"""The full VAE's decode without direct convolution (CUDA, where direct convolution made
+generation 10x slower): on the H200 the SD-Turbo-class model peaked at 4.76 GiB of GPU memory
+at 512x512 and 10.01 GiB at 1024x1024 against seed estimates of 3.54 and 5.79 GiB
+(bench/results/gpu/cuda-gpu-memory-recheck.json): about 9.9 and 7.9 KiB per output pixel of
+decode working memory beyond the weights. 10 KiB per pixel covers both."""
 
 
 def describe_estimate(

@@ -348,3 +348,33 @@ def test_describe_estimate_mentions_growth_only_above_native() -> None:
     text = describe_estimate(GiB, 1024, 1024, 512 * 512)
     assert "size growth 2.25 GiB" in text
     assert "786432 pixels above the native 262144" in text
+
+
+def test_im2col_decode_term_covers_the_measured_cuda_peaks():
+    """bench/results/gpu/cuda-gpu-memory-recheck.json: the SD-Turbo-class model without
+    direct VAE convolution on the H200 peaked at 4.76 GiB (512x512) and 10.01 GiB (1024x1024)."""
+    from sdfarm.native.memory import IM2COL_DECODE_BYTES_PER_PIXEL
+
+    size = 2_607_360_040
+    for side, peak_gib in ((512, 4.76), (1024, 10.01)):
+        plain = estimate_bytes(size, side, side, 512 * 512)
+        grown = estimate_bytes(
+            size, side, side, 512 * 512, decode_per_pixel=IM2COL_DECODE_BYTES_PER_PIXEL
+        )
+        assert plain < peak_gib * GiB < grown
+
+
+@pytest.mark.parametrize(
+    ("roles", "device", "expected"),
+    [
+        ({"checkpoint": 1}, "CPU", True),
+        ({"checkpoint": 1}, "Vulkan0", True),
+        ({"checkpoint": 1}, "CUDA0", False),
+        ({"diffusion_model": 1, "taesd": 1}, "CPU", False),
+    ],
+)
+def test_direct_vae_convolution_where_it_is_cheap(roles, device, expected, monkeypatch):
+    from sdfarm.native.engine import use_vae_conv_direct
+
+    monkeypatch.delenv("SDFARM_VAE_CONV_DIRECT", raising=False)
+    assert use_vae_conv_direct(roles, device) is expected
