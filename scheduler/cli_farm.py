@@ -193,6 +193,12 @@ def cmd_scheduler(args: argparse.Namespace) -> int:
     return _delegate("sdfarm.scheduler.service", "sdfarm scheduler", args.argv)
 
 
+def cmd_gateway(args: argparse.Namespace) -> int:
+    from sdfarm.gateway import main as gateway_main
+
+    return gateway_main(args.argv)
+
+
 # -- batch ---------------------------------------------------------------------------------------
 
 
@@ -489,6 +495,7 @@ def add_farm_commands(sub: Any) -> None:
     for name, func, what in (
         ("worker", cmd_worker, "run one worker (one device) of a farm"),
         ("scheduler", cmd_scheduler, "run the scheduler of a farm"),
+        ("gateway", cmd_gateway, "HTTP gateway: OpenAI images API, jobs API, metrics"),
     ):
         p = sub.add_parser(name, help=what, add_help=False, prefix_chars="\x00")
         p.add_argument("argv", nargs=argparse.REMAINDER)
