@@ -99,15 +99,24 @@ def main() -> int:
     for k in local:
         print(f"{k:28} {local[k]:>12.2f} {farm[k]:>12.2f}")
     ratio = farm["throughput_per_s"] / local["throughput_per_s"]
-    print(f"farm added latency per job: p50 {farm['added_p50_ms']:.2f} ms, "
-          f"p99 {farm['added_p99_ms']:.2f} ms (in-process: p50 {local['added_p50_ms']:.2f} ms, "
-          f"p99 {local['added_p99_ms']:.2f} ms, the PNG encode)")
+    print(
+        f"farm added latency per job: p50 {farm['added_p50_ms']:.2f} ms, "
+        f"p99 {farm['added_p99_ms']:.2f} ms (in-process: p50 {local['added_p50_ms']:.2f} ms, "
+        f"p99 {local['added_p99_ms']:.2f} ms, the PNG encode)"
+    )
     print(f"throughput farm / in-process: {ratio:.3f}")
     if args.out:
-        doc = {"bench": "farm_overhead", "jobs": args.jobs, "size": args.size,
-               "steps": args.steps, "machine": platform.platform(),
-               "date": time.strftime("%Y-%m-%d"), "in_process": local, "farm": farm,
-               "throughput_ratio": ratio}
+        doc = {
+            "bench": "farm_overhead",
+            "jobs": args.jobs,
+            "size": args.size,
+            "steps": args.steps,
+            "machine": platform.platform(),
+            "date": time.strftime("%Y-%m-%d"),
+            "in_process": local,
+            "farm": farm,
+            "throughput_ratio": ratio,
+        }
         Path(args.out).write_text(json.dumps(doc, indent=1) + "\n")
     return 0
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import hmac
+import ipaddress
 import json
 import re
 import time
@@ -19,10 +20,18 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import (
+    HTMLResponse,
+    JSONResponse,
+    PlainTextResponse,
+    Response,
+    StreamingResponse,
+)
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from sdfarm.gateway.page import PAGE_HTML
+from sdfarm.gateway.status import RecentJobs, status_doc
 from sdfarm.native.errors import InvalidParameterError
 from sdfarm.scheduler.client import (
     Farm,
@@ -223,6 +232,38 @@ async def _json_body(request: Request) -> Any:
         raise APIError(400, f"the body is not JSON: {exc}", code="invalid_json") from None
 
 
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorBody(BaseModel):
+    """Every error the gateway answers, in OpenAI's shape."""
+
+    error: ErrorDetail
+
+
+def _errors(*codes: int) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI `responses` for the error statuses an endpoint documents."""
+    why = {
+        400: "invalid request", 401: "missing or invalid bearer token", 404: "not found",
+        409: "the job is not in a state that allows this", 413: "the body is too large",
+        429: "the queue is full (Retry-After)", 503: "the farm (Redis) is unavailable",
+        504: "the job did not finish in time", 507: "the model does not fit any device",
+    }  # fmt: skip
+    return {c: {"model": ErrorBody, "description": why[c]} for c in codes}
+
+
+def _json_body_doc(model: type[BaseModel]) -> dict[str, Any]:
+    """The OpenAPI requestBody of a JSON body that the handler validates itself."""
+    return {
+        "required": True,
+        "content": {"application/json": {"schema": model.model_json_schema()}},
+    }
+
+
 # -- body size limit (pure ASGI, so a chunked body is counted too) -----------------------------
 
 
@@ -298,6 +339,8 @@ def create_app(
     the_farm = farm or Farm(redis_url, submitter="gateway")
     app = FastAPI(title="sdfarm gateway", version="0.1.0")
     app.state.farm = the_farm
+    recent = RecentJobs()
+    app.state.recent = recent
     app.add_middleware(BodyLimit)
 
     @app.exception_handler(APIError)
@@ -335,6 +378,20 @@ def create_app(
             code="missing_api_key",
         )
 
+    def authorize_page(request: Request) -> None:
+        """The status page and its JSON: open to loopback clients, else as the API."""
+        host = request.client.host if request.client else ""
+        try:
+            if ipaddress.ip_address(host).is_loopback:
+                return
+        except ValueError:
+            pass
+        authorize(request)
+
+    def image_url(job_id: str, i: int) -> str:
+        q = f"i={i}" + (f"&sig={sign(job_id, i)}" if tokens else "")
+        return f"v1/jobs/{job_id}/image.png?{q}"
+
     def job_or_404(job_id: str) -> Any:
         if not re.fullmatch(r"[0-9a-f]{32}", job_id):
             raise APIError(404, f"no job {job_id}", param="id", code="job_not_found")
@@ -345,7 +402,10 @@ def create_app(
 
     # -- OpenAI ---------------------------------------------------------------------------
 
-    @app.post("/v1/images/generations")
+    @app.post(
+        "/v1/images/generations",
+        responses=_errors(400, 401, 404, 409, 413, 429, 503, 504, 507),
+    )
     def images_generations(request: Request, body: dict[str, Any] | None = None) -> Any:
         authorize(request)
         req = _validate(ImagesRequest, body)
@@ -372,6 +432,7 @@ def create_app(
                 priority=req.priority,
                 submitter=req.user or "gateway",
             )
+            recent.add(job.id)
             result = job.result(timeout_s)
         except Exception as exc:  # noqa: BLE001 - every error becomes an OpenAI error
             raise _farm_error(exc, size_param=True) from None
@@ -386,7 +447,7 @@ def create_app(
                 data.append({"url": f"{base}/v1/jobs/{job.id}/image.png?{q}"})
         return {"created": created, "data": data}
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=_errors(401, 503))
     def list_models(request: Request) -> Any:
         authorize(request)
         try:
@@ -403,7 +464,11 @@ def create_app(
 
     # -- jobs -----------------------------------------------------------------------------
 
-    @app.post("/v1/jobs", status_code=202)
+    @app.post(
+        "/v1/jobs",
+        status_code=202,
+        responses=_errors(400, 401, 404, 413, 429, 503),
+    )
     def create_job(request: Request, body: dict[str, Any] | None = None) -> Any:
         authorize(request)
         req = _validate(JobRequest, body)
@@ -428,9 +493,10 @@ def create_app(
             )
         except Exception as exc:  # noqa: BLE001
             raise _farm_error(exc) from None
+        recent.add(job.id)
         return {"id": job.id, "state": "queued"}
 
-    @app.get("/v1/jobs/{job_id}")
+    @app.get("/v1/jobs/{job_id}", responses=_errors(401, 404, 503))
     def get_job(request: Request, job_id: str) -> Any:
         authorize(request)
         job = job_or_404(job_id)
@@ -456,9 +522,12 @@ def create_app(
             doc["image_urls"] = [f"/v1/jobs/{job_id}/image.png?i={i}" for i in range(doc["images"])]
         return doc
 
-    @app.get("/v1/jobs/{job_id}/image.png")
+    @app.get(
+        "/v1/jobs/{job_id}/image.png",
+        responses={200: {"content": {"image/png": {}}}, **_errors(401, 404, 409, 503)},
+    )
     def get_image(request: Request, job_id: str, i: int = 0, sig: str = "") -> Any:
-        if not (tokens and sig and hmac.compare_digest(sig, sign(job_id, i))):
+        if not (tokens and sig and hmac.compare_digest(sig.encode(), sign(job_id, i).encode())):
             authorize(request)
         job = job_or_404(job_id)
         state = job.state()
@@ -469,14 +538,17 @@ def create_app(
             raise APIError(404, f"job {job_id} has no image {i}", param="i", code="no_image")
         return Response(png, media_type="image/png")
 
-    @app.delete("/v1/jobs/{job_id}")
+    @app.delete("/v1/jobs/{job_id}", responses=_errors(401, 404, 503))
     def cancel_job(request: Request, job_id: str) -> Any:
         authorize(request)
         job = job_or_404(job_id)
         cancelled = job.cancel()
         return {"id": job_id, "cancelled": cancelled, "state": job.state()}
 
-    @app.get("/v1/jobs/{job_id}/events")
+    @app.get(
+        "/v1/jobs/{job_id}/events",
+        responses={200: {"content": {"text/event-stream": {}}}, **_errors(401, 404, 503)},
+    )
     def job_events(request: Request, job_id: str) -> Any:
         authorize(request)
         job_or_404(job_id)
@@ -488,7 +560,7 @@ def create_app(
 
     # -- farm -----------------------------------------------------------------------------
 
-    @app.get("/v1/devices")
+    @app.get("/v1/devices", responses=_errors(401, 503))
     def devices(request: Request) -> Any:
         authorize(request)
         try:
@@ -497,7 +569,20 @@ def create_app(
             raise _farm_error(exc) from None
         return {"object": "list", "data": status["devices"]}
 
-    @app.get("/healthz")
+    @app.get("/", response_class=HTMLResponse, responses=_errors(401))
+    def status_page(request: Request) -> Any:
+        authorize_page(request)
+        return HTMLResponse(PAGE_HTML, headers={"Cache-Control": "no-cache"})
+
+    @app.get("/v1/status", responses=_errors(401, 503))
+    def farm_status(request: Request) -> Any:
+        authorize_page(request)
+        try:
+            return status_doc(the_farm, recent.ids(), image_url)
+        except Exception as exc:  # noqa: BLE001
+            raise _farm_error(exc) from None
+
+    @app.get("/healthz", responses={503: {"description": "Redis is unreachable"}})
     def healthz() -> Any:
         try:
             the_farm.r.ping()
@@ -505,7 +590,11 @@ def create_app(
             return JSONResponse({"ok": False, "redis": str(exc)}, status_code=503)
         return {"ok": True}
 
-    @app.get("/metrics")
+    @app.get(
+        "/metrics",
+        response_class=PlainTextResponse,
+        responses=_errors(401, 503),
+    )
     def metrics(request: Request) -> Any:
         authorize(request)
         try:
@@ -514,6 +603,19 @@ def create_app(
             raise _farm_error(exc) from None
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
+    default_openapi = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        """FastAPI's document, with the bodies the handlers validate themselves described."""
+        if app.openapi_schema is None:
+            doc = default_openapi()
+            paths = doc["paths"]
+            paths["/v1/images/generations"]["post"]["requestBody"] = _json_body_doc(ImagesRequest)
+            paths["/v1/jobs"]["post"]["requestBody"] = _json_body_doc(JobRequest)
+            app.openapi_schema = doc
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
     return app
 
 

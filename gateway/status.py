@@ -1,0 +1,154 @@
+"""The status document behind `GET /v1/status` (and the page at `GET /`): devices grouped by
+host with a memory split (free, held by our engines, other), loaded models, queue depth by
+priority, running jobs with their progress, and the newest finished jobs as thumbnails.
+
+Everything is read from Redis on each call (one `Farm.status()` plus two pipelines); the only
+gateway-side state is the short list of job ids this gateway process submitted (`RecentJobs`),
+merged with the ids in the Redis list `sdfarm:recent` when something keeps one.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+from sdfarm.scheduler.client import Farm
+from sdfarm.worker import protocol
+
+RECENT_KEY = protocol.key("recent")
+RECENT_SHOWN = 8
+RECENT_KEPT = 32  # ids remembered: enough that 8 are done while a batch is still queued
+
+__all__ = ["RECENT_KEY", "RECENT_SHOWN", "RecentJobs", "memory_split", "status_doc"]
+
+
+class RecentJobs:
+    """The ids of the jobs this gateway submitted, newest first, capped."""
+
+    def __init__(self, cap: int = RECENT_KEPT) -> None:
+        self._ids: deque[str] = deque(maxlen=cap)
+        self._mu = threading.Lock()
+
+    def add(self, job_id: str) -> None:
+        with self._mu:
+            self._ids.appendleft(job_id)
+
+    def ids(self) -> list[str]:
+        with self._mu:
+            return list(self._ids)
+
+
+def _int(value: Any) -> int:
+    try:
+        return max(0, int(value))
+    except (TypeError, ValueError):
+        return 0
+
+
+def memory_split(hb: dict[str, Any]) -> dict[str, int]:
+    """{total, free, ours, other} in bytes for one device's heartbeat: `ours` is the sum of the
+    loaded engines' estimates, `other` what is used beyond them (never negative). A device
+    whose free figure is over its total (no budget reported) counts as all free."""
+    total = _int(hb.get("total"))
+    free = min(_int(hb.get("free")), total)
+    ours = sum(_int(m.get("estimate")) for m in hb.get("loaded") or [] if isinstance(m, dict))
+    return {"total": total, "free": free, "ours": ours, "other": max(0, total - free - ours)}
+
+
+def _device(d: dict[str, Any]) -> dict[str, Any]:
+    loaded = [
+        {
+            "name": str(m.get("name", "")),
+            "estimate": _int(m.get("estimate")),
+            "busy": bool(m.get("busy")),
+            "pinned": bool(m.get("pinned")),
+            "idle_s": m.get("idle_s"),
+        }
+        for m in d.get("loaded") or []
+        if isinstance(m, dict)
+    ]
+    return {
+        "key": d.get("key"),
+        "host": d.get("host"),
+        "device": d.get("device"),
+        "type": d.get("type") or "",
+        "description": d.get("description") or "",
+        "alive": bool(d.get("alive")),
+        "state": d.get("state") or ("" if d.get("alive") else "offline"),
+        "figure": d.get("figure"),
+        "capacity": d.get("capacity"),
+        "mem_available": d.get("mem_available"),
+        "memory": memory_split(d),
+        "loaded": loaded,
+        "loading": d.get("loading"),
+        "current_job": d.get("current_job"),
+        "jobs": d.get("jobs") or [],
+    }
+
+
+def status_doc(
+    farm: Farm,
+    local_recent: list[str],
+    image_url: Callable[[str, int], str],
+    *,
+    shown: int = RECENT_SHOWN,
+) -> dict[str, Any]:
+    """The JSON document of `GET /v1/status`."""
+    st = farm.status()
+    r = farm.r
+    devices = [_device(d) for d in st["devices"]]
+    hosts: dict[str, list[str]] = {}
+    for d in devices:
+        hosts.setdefault(str(d["host"]), []).append(str(d["key"]))
+
+    running = st["running"]
+    pipe = r.pipeline(transaction=False)
+    for job in running:
+        pipe.get(protocol.progress_key(job["id"]))
+    pipe.lrange(RECENT_KEY, 0, RECENT_KEPT - 1)
+    *progress_raw, shared_recent = pipe.execute()
+    runs = []
+    for job, raw in zip(running, progress_raw, strict=True):
+        try:
+            prog = json.loads(raw) if raw else None
+        except ValueError:
+            prog = None
+        runs.append({**job, "progress": prog if isinstance(prog, dict) else None})
+
+    ids = list(dict.fromkeys([*local_recent, *(protocol.decode(x) for x in shared_recent)]))
+    recent: list[dict[str, Any]] = []
+    if ids:
+        pipe = r.pipeline(transaction=False)
+        for job_id in ids:
+            pipe.hmget(protocol.job_key(job_id), "state", "model", "ended", "spec")
+        for job_id, (state, model, ended, spec) in zip(ids, pipe.execute(), strict=True):
+            if protocol.decode(state) != "done":
+                continue
+            try:
+                params = json.loads(spec or "{}").get("params", {})
+            except ValueError:
+                params = {}
+            recent.append(
+                {
+                    "id": job_id,
+                    "model": protocol.decode(model),
+                    "prompt": str(params.get("prompt", ""))[:200],
+                    "ended": float(protocol.decode(ended) or 0.0),
+                    "url": image_url(job_id, 0),
+                }
+            )
+        recent.sort(key=lambda x: x["ended"], reverse=True)
+    return {
+        "time": time.time(),
+        "leader": st["leader"],
+        "hosts": [{"host": h, "devices": keys} for h, keys in sorted(hosts.items())],
+        "devices": devices,
+        "queues": st["queues"],
+        "pending": st["pending"],
+        "running": runs,
+        "recent": recent[:shown],
+    }
