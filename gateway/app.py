@@ -13,6 +13,7 @@ import hashlib
 import hmac
 import ipaddress
 import json
+import math
 import re
 import time
 from collections.abc import Iterator, Sequence
@@ -31,6 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from sdfarm.gateway.page import PAGE_HTML
+from sdfarm.gateway.ratelimit import RateLimiter
 from sdfarm.gateway.status import RecentJobs, status_doc
 from sdfarm.native.errors import InvalidParameterError
 from sdfarm.scheduler.client import (
@@ -47,6 +49,7 @@ MAX_BODY = 64 * 1024
 MAX_N = 4
 MIN_SIDE, MAX_SIDE, SIDE_STEP = 64, 2048, 8
 DEFAULT_TIMEOUT_S = 600.0
+DEFAULT_RATE_PER_MINUTE = 600.0
 RETRY_AFTER_S = 5
 SSE_POLL_S = 0.1
 SSE_KEEPALIVE_S = 15.0
@@ -330,11 +333,15 @@ def create_app(
     tokens: Sequence[str] = (),
     timeout_s: float = DEFAULT_TIMEOUT_S,
     farm: Farm | None = None,
+    rate_per_minute: float = DEFAULT_RATE_PER_MINUTE,
 ) -> FastAPI:
     """The gateway over the farm at `redis_url`. With `tokens`, every endpoint except
     /healthz needs `Authorization: Bearer <token>` (image URLs the gateway hands out carry a
-    signature instead, so OpenAI clients can fetch them)."""
+    signature instead, so OpenAI clients can fetch them). Each token (or, without tokens,
+    each client address) gets `rate_per_minute` API requests a minute, in bursts of 10 s'
+    worth; beyond that: 429 with Retry-After."""
     tokens = [t for t in tokens if t]
+    limiter = RateLimiter(rate_per_minute)
     url_key = _url_key(tokens)
     the_farm = farm or Farm(redis_url, submitter="gateway")
     app = FastAPI(title="sdfarm gateway", version="0.1.0")
@@ -361,12 +368,14 @@ def create_app(
 
     def authorize(request: Request) -> None:
         if not tokens:
+            limit(request.client.host if request.client else "")
             return
         header = request.headers.get("authorization", "")
         scheme, _, given = header.partition(" ")
         if scheme.lower() == "bearer" and given:
             for t in tokens:
                 if hmac.compare_digest(given.strip().encode(), t.encode()):
+                    limit("token:" + t)
                     return
             raise APIError(
                 401, "invalid bearer token", type="authentication_error", code="invalid_api_key"
@@ -377,6 +386,18 @@ def create_app(
             type="authentication_error",
             code="missing_api_key",
         )
+
+    def limit(key: str) -> None:
+        wait = limiter.take(key)
+        if wait > 0:
+            raise APIError(
+                429,
+                f"rate limit: more than {rate_per_minute:g} requests a minute; retry in "
+                f"{wait:.1f} s",
+                type="rate_limit_error",
+                code="rate_limited",
+                headers={"Retry-After": str(max(1, math.ceil(wait)))},
+            )
 
     def authorize_page(request: Request) -> None:
         """The status page and its JSON: open to loopback clients, else as the API."""

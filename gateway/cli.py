@@ -62,6 +62,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--timeout", type=float, default=600.0, help="seconds /v1/images/generations waits"
     )
+    p.add_argument(
+        "--rate-limit",
+        type=float,
+        default=600.0,
+        help="API requests a minute per token (per client address without tokens)",
+    )
     p.add_argument("--log-level", default="info")
     return p
 
@@ -87,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from sdfarm.gateway.app import create_app
 
-    app = create_app(url, tokens=tokens, timeout_s=args.timeout)
+    app = create_app(url, tokens=tokens, timeout_s=args.timeout, rate_per_minute=args.rate_limit)
     print(
         f"sdfarm gateway on http://{args.host}:{args.port} (farm {url}; {len(tokens)} token(s))",
         file=sys.stderr,

@@ -220,3 +220,21 @@ def test_devices_health_and_metrics(http: httpx.Client, gateway: str) -> None:
     assert samples["sdfarm_devices_alive"] == 1
     assert samples['sdfarm_jobs{state="done"}'] >= 1
     assert 'sdfarm_queue_depth{priority="0"}' in samples
+
+
+def test_a_token_over_its_rate_gets_429_with_retry_after(redis_url: str) -> None:
+    from fastapi.testclient import TestClient
+
+    from sdfarm.gateway import create_app
+
+    app = create_app(redis_url, tokens=["tok-a", "tok-b"], rate_per_minute=6)
+    with TestClient(app) as http:
+        auth = {"Authorization": "Bearer tok-a"}
+        assert http.get("/v1/models", headers=auth).status_code == 200
+        over = http.get("/v1/models", headers=auth)
+        assert over.status_code == 429
+        assert int(over.headers["Retry-After"]) >= 1
+        assert over.json()["error"]["code"] == "rate_limited"
+        other = http.get("/v1/models", headers={"Authorization": "Bearer tok-b"})
+        assert other.status_code == 200
+    app.state.farm.close()
