@@ -19,7 +19,7 @@ from typing import Any
 from sdfarm.scheduler.client import Farm
 from sdfarm.worker import protocol
 
-RECENT_KEY = protocol.key("recent")
+RECENT_KEY = protocol.RECENT_KEY
 RECENT_SHOWN = 8
 RECENT_KEPT = 32  # ids remembered: enough that 8 are done while a batch is still queued
 

@@ -162,6 +162,10 @@ DEVICES_KEY = key("devices")
 LEADER_KEY = key("leader")
 PENDING_COUNT_KEY = key("pending", "count")
 CONFIG_KEY = key("config")
+RECENT_KEY = key("recent")
+RECENT_CAP = 32
+"""`recent`: the ids of the last RECENT_CAP finished jobs, newest first (the status page's
+thumbnails)."""
 
 
 def device_key(host: str, device: str) -> str:
@@ -262,7 +266,7 @@ return 1
 """Write the result's image fields while the job is still ours (1), else nothing (0)."""
 
 FINISH_LUA = """
--- KEYS: job, result, done, events, running, wake, progress
+-- KEYS: job, result, done, events, running, wake, progress, recent
 -- ARGV: dispatch, state, error, ended, event, events_cap, ttl, job_id, meta, records, count,
 --       then optional extra job fields as name, value pairs
 local cur = redis.call('HMGET', KEYS[1], 'state', 'dispatch')
@@ -291,8 +295,13 @@ if redis.call('EXISTS', KEYS[7]) == 1 then
 end
 redis.call('LPUSH', KEYS[6], ARGV[8])
 redis.call('LTRIM', KEYS[6], 0, 999)
+if ARGV[2] == 'done' then
+  redis.call('LPUSH', KEYS[8], ARGV[8])
+  redis.call('LTRIM', KEYS[8], 0, RECENT_LAST)
+end
 return 1
 """
+FINISH_LUA = FINISH_LUA.replace("RECENT_LAST", str(RECENT_CAP - 1))
 """End a running job of this dispatch: result meta, final state, running entry, done token,
 event, wake (1); a job that is no longer ours is left alone (0)."""
 
@@ -374,6 +383,7 @@ def finish(
                 running_key(device_key),
                 WAKE_KEY,
                 progress_key(job_id),
+                RECENT_KEY,
             ],
             args=[
                 dispatch,

@@ -179,6 +179,7 @@ def test_job_result_holds_png_metadata_records_and_heartbeat(farm: Farm, plain: 
     assert float(job["ended"]) >= float(job["started"]) >= float(job["created"])
     assert json.loads(job["records"]), "load records stored before generating"
     assert farm.redis.hget(P.running_key(plain.key), job_id) is None
+    assert farm.redis.lindex(P.RECENT_KEY, 0) == job_id.encode()  # the status page's thumbnails
 
     res = farm.result(job_id)
     assert res["count"] == b"1" and res["png:0"].startswith(PNG_MAGIC)
