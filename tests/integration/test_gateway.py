@@ -6,11 +6,7 @@ from __future__ import annotations
 
 import base64
 import json
-import os
 import re
-import socket
-import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -21,58 +17,24 @@ import pytest
 
 from sdfarm.worker import protocol
 
+from helpers.gateway import cpu_farm, served_gateway
+
 MODEL = "tiny-q8_0"
 TOKEN = "gateway-test-token"
 SMALL = {"steps": 1}
 PNG = b"\x89PNG\r\n\x1a\n"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def local_farm(models_dir: Path) -> Iterator[Any]:
-    from sdfarm.scheduler.localfarm import LocalFarm
-
-    farm = LocalFarm(
-        [models_dir],
-        devices=["CPU"],
-        threads=1,
-        host="gatewayhost",
-        announce=False,
-        worker_args=["--memory-limit", "4GiB"],
-        env=dict(os.environ),
-    )
-    with farm:
+    with cpu_farm(models_dir, "gatewayhost") as farm:
         yield farm
 
 
 @pytest.fixture(scope="module")
 def gateway(local_farm: Any) -> Iterator[str]:
-    import uvicorn
-
-    from sdfarm.gateway import create_app
-
-    port = _free_port()
-    app = create_app(local_farm.url, tokens=[TOKEN], timeout_s=60.0)
-    server = uvicorn.Server(
-        uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off")
-    )
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(10)
-        app.state.farm.close()
+    with served_gateway(local_farm.url, [TOKEN], 60.0) as url:
+        yield url
 
 
 @pytest.fixture

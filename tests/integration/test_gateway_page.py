@@ -4,11 +4,8 @@ docs/status-page.png."""
 
 from __future__ import annotations
 
-import os
 import shutil
-import socket
 import subprocess
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,6 +14,8 @@ from typing import Any
 import httpx
 import pytest
 
+from helpers.gateway import cpu_farm, served_gateway
+
 MODEL = "tiny-q8_0"
 TOKEN = "gateway-page-token"
 CHROMIUM = "/usr/bin/chromium"
@@ -24,52 +23,16 @@ SHOT = Path(__file__).resolve().parents[2] / "docs" / "status-page.png"
 WIDTH, HEIGHT = 1280, 900
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def local_farm(models_dir: Path) -> Iterator[Any]:
-    from sdfarm.scheduler.localfarm import LocalFarm
-
-    farm = LocalFarm(
-        [models_dir],
-        devices=["CPU"],
-        threads=1,
-        host="pagehost",
-        announce=False,
-        worker_args=["--memory-limit", "4GiB"],
-        env=dict(os.environ),
-    )
-    with farm:
+    with cpu_farm(models_dir, "pagehost") as farm:
         yield farm
 
 
 @pytest.fixture(scope="module")
 def gateway(local_farm: Any) -> Iterator[str]:
-    import uvicorn
-
-    from sdfarm.gateway import create_app
-
-    port = _free_port()
-    app = create_app(local_farm.url, tokens=[TOKEN], timeout_s=60.0)
-    server = uvicorn.Server(
-        uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off")
-    )
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(10)
-        app.state.farm.close()
+    with served_gateway(local_farm.url, [TOKEN], 60.0) as url:
+        yield url
 
 
 def _submit(gateway: str, n: int, *, steps: int = 1, tag: str = "") -> list[str]:

@@ -4,16 +4,14 @@ gets a 5xx other than the ones the operation documents (503/504/507)."""
 
 from __future__ import annotations
 
-import os
-import socket
-import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+
+from helpers.gateway import cpu_farm, served_gateway
 
 schemathesis = pytest.importorskip("schemathesis")
 from hypothesis import HealthCheck, settings  # noqa: E402
@@ -22,46 +20,10 @@ TOKEN = "gateway-schema-token"
 EXAMPLES = 10
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def gateway(models_dir: Path) -> Iterator[str]:
-    import uvicorn
-
-    from sdfarm.gateway import create_app
-    from sdfarm.scheduler.localfarm import LocalFarm
-
-    farm = LocalFarm(
-        [models_dir],
-        devices=["CPU"],
-        threads=1,
-        host="schemahost",
-        announce=False,
-        worker_args=["--memory-limit", "4GiB"],
-        env=dict(os.environ),
-    )
-    with farm:
-        port = _free_port()
-        app = create_app(farm.url, tokens=[TOKEN], timeout_s=20.0)
-        server = uvicorn.Server(
-            uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off")
-        )
-        thread = threading.Thread(target=server.run, daemon=True)
-        thread.start()
-        deadline = time.monotonic() + 10
-        while not server.started:
-            assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
-            time.sleep(0.02)
-        try:
-            yield f"http://127.0.0.1:{port}"
-        finally:
-            server.should_exit = True
-            thread.join(10)
-            app.state.farm.close()
+    with cpu_farm(models_dir, "schemahost") as farm, served_gateway(farm.url, [TOKEN], 20.0) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")
