@@ -23,7 +23,7 @@ from sdfarm.native.models import (
 )
 
 SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "fullsize_model.py"
-# The file measured in /work/shared/facts/runtime.md ("A full-size model on the CPU").
+# The file measured in ../shared/facts/runtime.md ("A full-size model on the CPU").
 REFERENCE_SIZE = 2_607_360_016
 
 
