@@ -464,8 +464,7 @@ def create_app(
             base = str(request.base_url).rstrip("/")
             data = []
             for i in range(len(result.pngs)):
-                q = f"i={i}" + (f"&sig={sign(job.id, i)}" if tokens else "")
-                data.append({"url": f"{base}/v1/jobs/{job.id}/image.png?{q}"})
+                data.append({"url": f"{base}/{image_url(job.id, i)}"})
         return {"created": created, "data": data}
 
     @app.get("/v1/models", responses=_errors(401, 503))
