@@ -9,9 +9,8 @@ free up instead of being dealt out at submit time.
 Every write is a Lua script that checks the leader token first (a fence: a scheduler whose
 lease lapsed cannot write even if it has not noticed yet) and the job's state and dispatch id
 (a job changes hands only from the state the scheduler saw, so a worker's claim or finish that
-lands meanwhile always wins). The Celery message is sent after the job is recorded as placed;
-a scheduler that dies between the two leaves a placed job without a message, which the next
-leader re-queues at takeover (`takeover`).
+lands meanwhile always wins). The placement script also pushes the job's Celery message
+(`sdfarm.scheduler.outbox`), so a job is recorded as placed and sent in one atomic step.
 """
 
 from __future__ import annotations
@@ -21,12 +20,14 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Protocol
 
 from sdfarm.scheduler import fairness, placement
+from sdfarm.scheduler.outbox import CeleryOutbox
 from sdfarm.scheduler.registry import (
     DEFAULT_BACKLOG,
     DEFAULT_QUEUE_LIMIT,
+    PENDING_JOB_FIELDS,
     Registry,
     Snapshot,
     account,
@@ -61,8 +62,8 @@ local function finish(job, events, done, state, ev, cap, ttl)
 end
 """
 
-# KEYS: job, pending list, running hash, pending count, events, leader
-# ARGV: token, id, dispatch, device, event, estimate, tier, cap
+# KEYS: job, pending list, running hash, pending count, events, leader, device's Celery queue
+# ARGV: token, id, dispatch, device, event, estimate, tier, cap, Celery message
 _PLACE = (
     _PRELUDE
     + """
@@ -78,6 +79,7 @@ redis.call('HSET', KEYS[1], 'state', 'placed', 'device', ARGV[4], 'dispatch', AR
 redis.call('HSET', KEYS[3], ARGV[2], ARGV[3])
 uncount(KEYS[4], 1)
 log(KEYS[5], ARGV[5], ARGV[8])
+redis.call('LPUSH', KEYS[7], ARGV[9])
 return 1
 """
 )
@@ -171,7 +173,6 @@ class DispatchConfig:
     unknown_grace: float = 10.0
     mismatch_grace: float = 3 * protocol.HEARTBEAT_INTERVAL
     wake_timeout: float = 0.2
-    takeover_window: float = 5.0
     forget_dead_after: float = 3600.0
 
     def __post_init__(self) -> None:
@@ -194,8 +195,12 @@ class PendingJob:
     height: int
 
 
-Sender = Callable[[str, str, str], None]
-"""send(job_id, dispatch_id, device_key): hand the job to the device's Celery queue."""
+class Outbox(Protocol):
+    """Builds the Celery message the placement script pushes (`outbox.CeleryOutbox`)."""
+
+    def message(self, job_id: str, dispatch: str, device: str) -> tuple[str, str]:
+        """(the Redis list to LPUSH, the message) for running `job_id` under `dispatch`."""
+        ...
 
 
 def make_celery_app(redis_url: str) -> Any:
@@ -220,16 +225,12 @@ def make_celery_app(redis_url: str) -> Any:
     return app
 
 
-class CelerySender:
-    """Sends TASK_NAME by name, so the scheduler never imports the worker's task code."""
-
-    def __init__(self, redis_url: str) -> None:
-        self.app = make_celery_app(redis_url)
-
-    def __call__(self, job_id: str, dispatch: str, device: str) -> None:
-        self.app.send_task(
-            protocol.TASK_NAME, args=[job_id, dispatch], queue=protocol.queue_name(device)
-        )
+def celery_outbox(client: Any, redis_url: str) -> CeleryOutbox:
+    """The outbox of the worker's own Celery app on the farm's broker, its template captured
+    now, so a Celery it cannot read stops the scheduler when it takes the lead."""
+    outbox = CeleryOutbox(client, make_celery_app(redis_url))
+    outbox.message("probe", "probe", "probe/probe")
+    return outbox
 
 
 def poison_error(job_id: str, lost_on: str, records: str | None, limit: int = 20) -> str:
@@ -258,7 +259,7 @@ class Dispatcher:
         self,
         client: Any,
         token: str,
-        send: Sender,
+        outbox: Outbox,
         config: DispatchConfig | None = None,
         log: Callable[..., None] | None = None,
         clock: Callable[[], float] = time.time,
@@ -266,7 +267,7 @@ class Dispatcher:
     ) -> None:
         self.r = client
         self.token = token
-        self.send = send
+        self.outbox = outbox
         self.config = config or DispatchConfig()
         self.log = log or (lambda kind, **fields: None)
         self.clock = clock
@@ -286,8 +287,7 @@ class Dispatcher:
     # -- the loop ---------------------------------------------------------------------------
 
     def start(self) -> None:
-        """On becoming leader: publish the config clients read, re-queue jobs the previous
-        leader may have placed without sending."""
+        """On becoming leader: publish the config clients read, start counting afresh."""
         self.r.hset(
             protocol.CONFIG_KEY,
             mapping={"queue_limit": self.config.queue_limit, "backlog": self.config.backlog},
@@ -295,20 +295,18 @@ class Dispatcher:
         self._incarnations.clear()
         self._mismatch_since.clear()
         self._missing_since.clear()
-        self.takeover(self.registry.snapshot())
 
     def wait_for_work(self) -> None:
         """Block until something nudges `wake` (a submit, a finished job) or the timeout, so
-        dead workers are noticed within it; then coalesce the other nudges."""
-        if self.r.blpop([protocol.WAKE_KEY], timeout=self.config.wake_timeout):
-            self.r.delete(protocol.WAKE_KEY)
+        dead workers are noticed within it. The cycle's snapshot clears the other nudges."""
+        self.r.blpop([protocol.WAKE_KEY], timeout=self.config.wake_timeout)
 
     def cycle(self) -> dict[str, int]:
         """Recover, then place. Returns counts for logs and tests."""
-        snap = self.registry.snapshot()
+        snap = self.registry.snapshot(heads=self.config.scan, clear_wake=True)
         stats = self.recover(snap)
         if any(stats.values()):
-            snap = self.registry.snapshot()
+            snap = self.registry.snapshot(heads=self.config.scan)
         stats.update(self.place(snap))
         return stats
 
@@ -318,27 +316,6 @@ class Dispatcher:
         return int(rc)
 
     # -- recovery (flow 5) --------------------------------------------------------------------
-
-    def takeover(self, snap: Snapshot) -> int:
-        """Placed jobs stamped within `takeover_window` of now (Redis's clock) may have no
-        Celery message: the old leader could have died between recording and sending. They
-        go back to pending without counting an attempt; if the message did go out, the
-        worker's claim of it fails on the old dispatch id."""
-        seconds, micros = self.r.time()
-        now = seconds + micros / 1e6
-        n = 0
-        for device, entries in snap.running.items():
-            for job_id, dispatch in entries.items():
-                job = snap.jobs.get(job_id) or {}
-                if job.get("state") != "placed" or job.get("dispatch") != dispatch:
-                    continue
-                try:
-                    placed_at = float(job.get("placed") or 0)
-                except ValueError:
-                    placed_at = 0.0
-                if placed_at >= now - self.config.takeover_window:
-                    n += self._lost(job_id, job, device, "takeover", count=False) > 0
-        return n
 
     def recover(self, snap: Snapshot) -> dict[str, int]:
         """Jobs on devices whose heartbeat expired or whose worker process changed."""
@@ -445,33 +422,31 @@ class Dispatcher:
 
     # -- placement (flow 2) ---------------------------------------------------------------------
 
-    def _pending(self) -> list[PendingJob]:
-        """The heads of the pending lists, with their (cached) records."""
-        pipe = self.r.pipeline(transaction=False)
-        for p in protocol.PRIORITIES:
-            pipe.lrange(protocol.pending_key(p), 0, self.config.scan - 1)
-        heads = pipe.execute()
-        listed: list[tuple[int, str]] = []
-        for p, ids in zip(protocol.PRIORITIES, heads, strict=True):
-            listed.extend((p, protocol.decode(i)) for i in ids)
+    def _pending(self, snap: Snapshot) -> list[PendingJob]:
+        """The heads of the pending lists (read with the snapshot), with their records (read
+        once per job, then cached)."""
+        listed = [(p, j) for p, ids in snap.heads.items() for j in ids]
         missing = [(p, j) for p, j in listed if j not in self._meta]
-        if missing:
+        read = {j: snap.head_fields[j] for _, j in missing if j in snap.head_fields}
+        unread = [j for _, j in missing if j not in read]
+        if unread:
             pipe = self.r.pipeline(transaction=False)
-            for _, j in missing:
-                pipe.hmget(protocol.job_key(j), ["state", "model", "submitter", "created", "spec"])
-            for (p, j), values in zip(missing, pipe.execute(), strict=True):
-                meta = _pending_job(j, p, values)
-                if meta is None:
-                    self._drop_stale(
-                        keys=[
-                            protocol.job_key(j),
-                            protocol.pending_key(p),
-                            protocol.PENDING_COUNT_KEY,
-                        ],
-                        args=[j],
-                    )
-                else:
-                    self._meta[j] = meta
+            for j in unread:
+                pipe.hmget(protocol.job_key(j), PENDING_JOB_FIELDS)
+            read.update(zip(unread, pipe.execute(), strict=True))
+        for p, j in missing:
+            meta = _pending_job(j, p, read[j])
+            if meta is None:
+                self._drop_stale(
+                    keys=[
+                        protocol.job_key(j),
+                        protocol.pending_key(p),
+                        protocol.PENDING_COUNT_KEY,
+                    ],
+                    args=[j],
+                )
+            else:
+                self._meta[j] = meta
         seen = {j for _, j in listed}
         for j in list(self._meta):
             if j not in seen:
@@ -487,7 +462,7 @@ class Dispatcher:
         one model costs a set lookup while other models behind it still get placed, and the
         walk (lazy: `fairness.iter_order`) stops once no device has room."""
         stats = {"placed": 0, "refused": 0}
-        jobs = self._pending()
+        jobs = self._pending(snap)
         if not jobs:
             return stats
         devices = {d.key: d for d in snap.devices}
@@ -561,6 +536,7 @@ class Dispatcher:
 
     def _send(self, job: PendingJob, outcome: placement.Placed, estimate: int) -> bool:
         dispatch = uuid.uuid4().hex
+        queue, message = self.outbox.message(job.job_id, dispatch, outcome.device)
         rc = self._check(
             self._place(
                 keys=[
@@ -570,6 +546,7 @@ class Dispatcher:
                     protocol.PENDING_COUNT_KEY,
                     protocol.events_key(job.job_id),
                     protocol.LEADER_KEY,
+                    queue,
                 ],
                 args=[
                     self.token,
@@ -586,18 +563,12 @@ class Dispatcher:
                     estimate,
                     outcome.tier,
                     protocol.EVENTS_CAP,
+                    message,
                 ],
             )
         )
         self._meta.pop(job.job_id, None)
         if rc != 1:
-            return False
-        try:
-            self.send(job.job_id, dispatch, outcome.device)
-        except Exception as exc:  # noqa: BLE001 - the broker failed: put the job back
-            self.log("send-failed", job=job.job_id, device=outcome.device, error=str(exc))
-            state = {"state": "placed", "dispatch": dispatch, "priority": str(job.priority)}
-            self._lost(job.job_id, state, outcome.device, f"send failed: {exc}", count=False)
             return False
         self.log("placed", job=job.job_id, device=outcome.device, tier=outcome.tier)
         return True

@@ -4,7 +4,7 @@ Workers write one heartbeat JSON per device (`hb:{host}/{device}`, with a TTL) a
 device to the `devices` set; the scheduler owns `running:{device}` (job id -> dispatch id),
 so a device's queued work is counted from the scheduler's own writes and never lags a
 heartbeat. The conversions are pure functions (tested in tests/unit/test_registry.py);
-`Registry.snapshot` is the only I/O: a handful of pipelined reads per scheduler cycle.
+`Registry.snapshot` is the only I/O: one Lua script per scheduler cycle.
 
 Heartbeat fields read here (missing ones take the default shown, so an older or newer worker
 still places):
@@ -53,6 +53,9 @@ RUNNING_JOB_FIELDS = (
     "started",
 )
 """What the scheduler reads of each job that sits in a `running:{device}` hash."""
+
+PENDING_JOB_FIELDS = ("state", "model", "submitter", "created", "spec")
+"""What the scheduler reads of a queued job to place it (once per job: it keeps them)."""
 
 
 # -- pure conversions ---------------------------------------------------------------------------
@@ -287,13 +290,17 @@ class Snapshot:
 
     `heartbeats`: live devices' heartbeat dicts by key; `devices`: a DeviceState for every known
     device (dead ones with alive=False), with jobs already sent accounted; `running`:
-    {device: {job id: dispatch id}}; `jobs`: the RUNNING_JOB_FIELDS of those jobs.
+    {device: {job id: dispatch id}}; `jobs`: the RUNNING_JOB_FIELDS of those jobs; `heads`:
+    the first ids of each pending list by priority, when the snapshot was asked for them, and
+    `head_fields` the PENDING_JOB_FIELDS of the first few of them.
     """
 
     heartbeats: dict[str, dict[str, Any]] = field(default_factory=dict)
     devices: list[DeviceState] = field(default_factory=list)
     running: dict[str, dict[str, str]] = field(default_factory=dict)
     jobs: dict[str, dict[str, str]] = field(default_factory=dict)
+    heads: dict[int, list[str]] = field(default_factory=dict)
+    head_fields: dict[str, list[str]] = field(default_factory=dict)
 
     def model_facts(self, name: str) -> tuple[int, tuple[int, int]] | None:
         return model_facts(self.heartbeats, name)
@@ -349,42 +356,106 @@ def build_devices(
     return out
 
 
+SNAPSHOT_LUA = """
+-- KEYS: devices set, wake, pending lists (0 or more)
+-- ARGV: clear wake (0/1), heartbeat key prefix, running key prefix, job key prefix, heads to
+--       read per pending list, how many of them to read the fields of, n, then n fields to
+--       read of running jobs, then the fields to read of pending jobs
+local known = redis.call('SMEMBERS', KEYS[1])
+if ARGV[1] == '1' then redis.call('DEL', KEYS[2]) end
+local n = tonumber(ARGV[7])
+local fields, pfields = {}, {}
+for i = 8, 7 + n do fields[#fields + 1] = ARGV[i] end
+for i = 8 + n, #ARGV do pfields[#pfields + 1] = ARGV[i] end
+local devices = {}
+for i, d in ipairs(known) do
+  local hb = redis.call('GET', ARGV[2] .. d)
+  local running = redis.call('HGETALL', ARGV[3] .. d)
+  local jobs = {}
+  for j = 1, #running, 2 do
+    jobs[#jobs + 1] = redis.call('HMGET', ARGV[4] .. running[j], unpack(fields))
+  end
+  devices[i] = {d, hb, running, jobs}
+end
+local heads, facts = {}, {}
+local scan, nfacts = tonumber(ARGV[5]), tonumber(ARGV[6])
+for i = 3, #KEYS do
+  local ids = redis.call('LRANGE', KEYS[i], 0, scan - 1)
+  local got = {}
+  for j = 1, math.min(nfacts, #ids) do
+    got[j] = redis.call('HMGET', ARGV[4] .. ids[j], unpack(pfields))
+  end
+  heads[#heads + 1] = ids
+  facts[#facts + 1] = got
+end
+return {devices, heads, facts}
+"""
+"""The whole farm in one round trip (heartbeats, running entries and their jobs, the heads of
+the pending lists and the fields of the first few: a job submitted to an idle farm is placed
+without a second read), and optionally the `wake` nudges cleared in the same atomic step, so a
+nudge that lands after the read is never lost. It names heartbeat, running and job keys it
+builds from prefixes: fine on one Redis (the farm's), not on a Redis Cluster."""
+
+
 class Registry:
     """Reads the farm's state from Redis (`redis.Redis` client, decode_responses off)."""
 
     def __init__(self, client: Any, backlog_limit: int = DEFAULT_BACKLOG) -> None:
         self.r = client
         self.backlog_limit = backlog_limit
+        self._script = client.register_script(SNAPSHOT_LUA)
 
-    def snapshot(self) -> Snapshot:
-        known = sorted(protocol.decode(k) for k in self.r.smembers(protocol.DEVICES_KEY))
-        if not known:
-            return Snapshot()
-        pipe = self.r.pipeline(transaction=False)
-        pipe.mget([protocol.heartbeat_key(k) for k in known])
-        for k in known:
-            pipe.hgetall(protocol.running_key(k))
-        raw_hbs, *raw_running = pipe.execute()
-        heartbeats = {}
-        for k, raw in zip(known, raw_hbs, strict=True):
-            hb = parse_heartbeat(raw)
+    def snapshot(self, heads: int = 0, clear_wake: bool = False, facts: int = 4) -> Snapshot:
+        """The farm now; with `heads` > 0 also the first `heads` ids of every pending list
+        (`Snapshot.heads`, by priority) and the PENDING_JOB_FIELDS of the first `facts` of
+        each (`Snapshot.head_fields`); `clear_wake` empties the wake list atomically."""
+        pending = [protocol.pending_key(p) for p in protocol.PRIORITIES] if heads > 0 else []
+        raw_devices, raw_heads, raw_facts = self._script(
+            keys=[protocol.DEVICES_KEY, protocol.WAKE_KEY, *pending],
+            args=[
+                "1" if clear_wake else "0",
+                protocol.heartbeat_key(""),
+                protocol.running_key(""),
+                protocol.job_key(""),
+                heads,
+                facts,
+                len(RUNNING_JOB_FIELDS),
+                *RUNNING_JOB_FIELDS,
+                *PENDING_JOB_FIELDS,
+            ],
+        )
+        known, heartbeats, running, jobs = [], {}, {}, {}
+        for raw_key, raw_hb, raw_running, raw_jobs in raw_devices:
+            k = protocol.decode(raw_key)
+            known.append(k)
+            hb = parse_heartbeat(raw_hb)
             if hb is not None:
                 heartbeats[k] = hb
-        running = {
-            k: {protocol.decode(j): protocol.decode(d) for j, d in entries.items()}
-            for k, entries in zip(known, raw_running, strict=True)
-        }
-        job_ids = sorted({j for entries in running.values() for j in entries})
-        jobs: dict[str, dict[str, str]] = {}
-        if job_ids:
-            pipe = self.r.pipeline(transaction=False)
-            for j in job_ids:
-                pipe.hmget(protocol.job_key(j), RUNNING_JOB_FIELDS)
-            for j, values in zip(job_ids, pipe.execute(), strict=True):
+            ids = [protocol.decode(x) for x in raw_running[0::2]]
+            running[k] = dict(
+                zip(ids, (protocol.decode(x) for x in raw_running[1::2]), strict=True)
+            )
+            for j, values in zip(ids, raw_jobs, strict=True):
                 if values[0] is not None:
                     jobs[j] = {
                         f: protocol.decode(v)
                         for f, v in zip(RUNNING_JOB_FIELDS, values, strict=True)
                     }
         devices = build_devices(heartbeats, known, running, jobs, self.backlog_limit)
-        return Snapshot(heartbeats=heartbeats, devices=devices, running=running, jobs=jobs)
+        by_priority = {
+            p: [protocol.decode(i) for i in ids]
+            for p, ids in zip(protocol.PRIORITIES if pending else (), raw_heads, strict=True)
+        }
+        head_fields = {
+            protocol.decode(i): [protocol.decode(v) for v in values]
+            for ids, got in zip(raw_heads, raw_facts, strict=True)
+            for i, values in zip(ids, got, strict=False)
+        }
+        return Snapshot(
+            heartbeats=heartbeats,
+            devices=devices,
+            running=running,
+            jobs=jobs,
+            heads=by_priority,
+            head_fields=head_fields,
+        )

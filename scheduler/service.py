@@ -20,7 +20,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from sdfarm.scheduler.dispatch import CelerySender, DispatchConfig, Dispatcher, NotLeader
+from sdfarm.scheduler.dispatch import DispatchConfig, Dispatcher, NotLeader, celery_outbox
 from sdfarm.scheduler.leader import DEFAULT_TTL_MS, STANDBY_RETRY_S, LeaderLock
 from sdfarm.scheduler.registry import DEFAULT_BACKLOG, DEFAULT_QUEUE_LIMIT
 
@@ -100,7 +100,7 @@ class Service:
         """Built on first leadership: the Celery app connects to the broker lazily."""
         if self._dispatcher is None:
             self._dispatcher = Dispatcher(
-                self.r, self.lock.token, CelerySender(self.url), self.config, log=self.emit
+                self.r, self.lock.token, celery_outbox(self.r, self.url), self.config, log=self.emit
             )
         return self._dispatcher
 
