@@ -2014,7 +2014,6 @@ def stage_farm(args: argparse.Namespace, deadline: Deadline, runtimes: list[Runt
                     "efficiency": gpu_efficiency(gen, 1, makespan),
                     "images_per_s": per_second(len(results), makespan),
                     "encode_median_s": median(x.get("encode_s") for x in tim),
-                    "upload_median_s": median(x.get("upload_s") for x in tim),
                     "queued_median_s": median(x.get("queued_s") for x in tim),
                 }
                 base = s.get("in_process") or {}

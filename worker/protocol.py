@@ -31,7 +31,7 @@ Result hash `result:{id}` (TTL RESULT_TTL): `png:0` .. `png:{count-1}` (PNG byte
 the generation parameters in its `sdfarm` text chunk, see sdfarm.native.png), `count`,
 `meta` (JSON: the parameters with the resolved seed, job, model, host, device, device_key,
 backend, sd_version, estimate, fit_plan, warnings, timings {queued_s, load_s, warmup_s,
-generate_s, encode_s, upload_s}) and `records` (JSON list of {seq, level, message, source,
+generate_s, encode_s}) and `records` (JSON list of {seq, level, message, source,
 location} at the job's log level). A failed job has `meta` (with `error`) and `records` but no
 images.
 
@@ -64,9 +64,10 @@ Flows (every step also appends an event to `events:{id}`):
    the heartbeats carry (`models`: bytes + native size, through
    sdfarm.native.memory.estimate_bytes at the job's size), call placement.place. Placed:
    HSET job state=placed, device, dispatch=<new uuid>; HSET `running:{device}` id dispatch;
-   LREM the pending list; DECR `pending:count`; send the Celery task TASK_NAME with args
-   [job_id, dispatch] to queue_name(device). Refuse: state=failed with the reason and figures,
-   RPUSH `done:{id}` "failed". Wait: leave it pending.
+   LREM the pending list; DECR `pending:count`; LPUSH the Celery task TASK_NAME with args
+   [job_id, dispatch] on queue_name(device) (sdfarm.scheduler.outbox), all in one script.
+   Refuse: state=failed with the reason and figures, RPUSH `done:{id}` "failed". Wait: leave
+   it pending.
 3. run (the worker's task): claim atomically (CLAIM_LUA: state must be placed and dispatch
    must match, else the message is stale and is dropped: this is what keeps a job from
    running twice); state=running, incarnation=<the worker process's id>; engine from the
@@ -74,12 +75,11 @@ Flows (every step also appends an event to `events:{id}`):
    events; then hand the images to the uploader thread and return, so PNG encoding and the
    upload never delay the next generation. The uploader writes `result:{id}` (TTL), sets
    state=done (or failed with `error`), HDELs `running:{device}`, RPUSHes `done:{id}`,
-   LPUSHes `wake`. In detail: the PNG bytes go first (UPLOAD_LUA, timed as upload_s), then
-   FINISH_LUA writes `meta`, `records`, `count`, the final state and everything after it in
-   one atomic step. Both scripts act only while the job is still `running` under this
-   dispatch id, so a worker whose job was re-placed meanwhile (flow 5) cannot overwrite the
-   new run; a reader that sees a final state always sees the complete result. The worker
-   also ends jobs itself (failed: invalid parameters, unknown model, load or generation
+   LPUSHes `wake` when jobs are pending, all in one FINISH_LUA call (one round trip on the
+   path of every job). It acts only while the job is still `running` under this dispatch
+   id, so a worker whose job was re-placed meanwhile (flow 5) cannot overwrite the new run;
+   a reader that sees a final state always sees the complete result. The worker also ends
+   jobs itself (failed: invalid parameters, unknown model, load or generation
    errors; cancelled) through FINISH_LUA.
 4. wait (client): if the job record is final read the result, else BLPOP `done:{id}` and
    push the token back for other waiters.
@@ -250,36 +250,27 @@ return {cur[3] or '', cur[4] or '', redis.call('EXISTS', KEYS[3])}
 already asked for, in the same round trip (the start of every job is on the critical path);
 0 when the message is stale."""
 
-UPLOAD_LUA = """
--- KEYS: job, result   ARGV: dispatch, ttl, field1, value1, ...
-local cur = redis.call('HMGET', KEYS[1], 'state', 'dispatch')
-if cur[1] ~= 'running' or cur[2] ~= ARGV[1] then
-  return 0
-end
-redis.call('DEL', KEYS[2])
-if #ARGV > 2 then
-  redis.call('HSET', KEYS[2], unpack(ARGV, 3))
-  redis.call('EXPIRE', KEYS[2], tonumber(ARGV[2]))
-end
-return 1
-"""
-"""Write the result's image fields while the job is still ours (1), else nothing (0)."""
-
 FINISH_LUA = """
--- KEYS: job, result, done, events, running, wake, progress, recent
+-- KEYS: job, result, done, events, running, wake, progress, recent, pending count
 -- ARGV: dispatch, state, error, ended, event, events_cap, ttl, job_id, meta, records, count,
---       then optional extra job fields as name, value pairs
+--       n (how many job field ARGVs follow), n job field ARGVs (name, value pairs), then
+--       the result's image fields (png:0, bytes, png:1, bytes, ...)
 local cur = redis.call('HMGET', KEYS[1], 'state', 'dispatch')
 if cur[1] ~= 'running' or cur[2] ~= ARGV[1] then
   return 0
 end
 local ttl = tonumber(ARGV[7])
+local n = tonumber(ARGV[12])
 redis.call('HSET', KEYS[1], 'state', ARGV[2], 'error', ARGV[3], 'ended', ARGV[4])
-if #ARGV > 11 then
-  redis.call('HSET', KEYS[1], unpack(ARGV, 12))
+if n > 0 then
+  redis.call('HSET', KEYS[1], unpack(ARGV, 13, 12 + n))
 end
 if ARGV[9] ~= '' then
+  redis.call('DEL', KEYS[2])
   redis.call('HSET', KEYS[2], 'meta', ARGV[9], 'records', ARGV[10], 'count', ARGV[11])
+  if #ARGV > 12 + n then
+    redis.call('HSET', KEYS[2], unpack(ARGV, 13 + n))
+  end
   redis.call('EXPIRE', KEYS[2], ttl)
 end
 if redis.call('HGET', KEYS[5], ARGV[8]) == ARGV[1] then
@@ -293,8 +284,10 @@ redis.call('EXPIRE', KEYS[4], ttl)
 if redis.call('EXISTS', KEYS[7]) == 1 then
   redis.call('EXPIRE', KEYS[7], ttl)
 end
-redis.call('LPUSH', KEYS[6], ARGV[8])
-redis.call('LTRIM', KEYS[6], 0, 999)
+if tonumber(redis.call('GET', KEYS[9]) or '0') > 0 then
+  redis.call('LPUSH', KEYS[6], ARGV[8])
+  redis.call('LTRIM', KEYS[6], 0, 999)
+end
 if ARGV[2] == 'done' then
   redis.call('LPUSH', KEYS[8], ARGV[8])
   redis.call('LTRIM', KEYS[8], 0, RECENT_LAST)
@@ -302,8 +295,10 @@ end
 return 1
 """
 FINISH_LUA = FINISH_LUA.replace("RECENT_LAST", str(RECENT_CAP - 1))
-"""End a running job of this dispatch: result meta, final state, running entry, done token,
-event, wake (1); a job that is no longer ours is left alone (0)."""
+"""End a running job of this dispatch: result images and meta, final state, running entry,
+done token, event (1), in one round trip; a job that is no longer ours is left alone (0). It
+wakes the scheduler only when jobs are pending (the freed slot is news only to them): an
+idle farm's scheduler then does not compete with the client it just woke."""
 
 CELERY_PRIORITY_STEPS = (0, 3, 6, 9)
 """kombu's redis transport keeps one list per priority step: `queue` and `queue\\x06\\x16{n}`."""
@@ -338,16 +333,6 @@ def claim(client: Any, job_id: str, dispatch: str, incarnation: str, worker: str
     return Claim(decode(spec), created_t, started, bool(cancelled))
 
 
-def upload_images(client: Any, job_id: str, dispatch: str, pngs: list[bytes]) -> bool:
-    """UPLOAD_LUA: store `png:{i}` while the job is still running under `dispatch`."""
-    args: list[Any] = [dispatch, RESULT_TTL]
-    for i, data in enumerate(pngs):
-        args += [f"png:{i}", data]
-    return bool(
-        client.register_script(UPLOAD_LUA)(keys=[job_key(job_id), result_key(job_id)], args=args)
-    )
-
-
 def finish(
     client: Any,
     job_id: str,
@@ -358,12 +343,13 @@ def finish(
     error: str = "",
     meta: dict[str, Any] | None = None,
     records: list[dict[str, Any]] | None = None,
-    count: int = 0,
+    pngs: list[bytes] | None = None,
     job_fields: dict[str, str] | None = None,
     **event_fields: Any,
 ) -> bool:
     """FINISH_LUA: the final state (done, failed, cancelled) and everything that goes with
-    it, atomically; `meta`/`records` land in `result:{id}` when given, `job_fields` in the job
+    it, atomically; `meta`/`records` and the images (`png:{i}`) land in `result:{id}` when
+    `meta` is given, `job_fields` in the job
     record (a worker's memory refusal writes `figures` and `estimate` there, as placement's
     refusal does). False when the job is no longer running under `dispatch` (it was
     re-placed or ended by someone else)."""
@@ -373,6 +359,8 @@ def finish(
     if error:
         fields["error"] = error
     ev = event(state, **fields)
+    extra = [x for kv in (job_fields or {}).items() for x in kv]
+    images = [x for i, data in enumerate(pngs or []) for x in (f"png:{i}", data)]
     return bool(
         client.register_script(FINISH_LUA)(
             keys=[
@@ -384,6 +372,7 @@ def finish(
                 WAKE_KEY,
                 progress_key(job_id),
                 RECENT_KEY,
+                PENDING_COUNT_KEY,
             ],
             args=[
                 dispatch,
@@ -396,8 +385,10 @@ def finish(
                 job_id,
                 "" if meta is None else json.dumps(meta, default=str),
                 json.dumps(records or []),
-                count,
-                *[x for kv in (job_fields or {}).items() for x in kv],
+                len(pngs or []),
+                len(extra),
+                *extra,
+                *images,
             ],
         )
     )

@@ -27,9 +27,9 @@ RETRIES = 5
 
 @dataclass
 class Finished:
-    """One job's end as the job thread saw it. `meta["timings"]` gets encode_s and upload_s
-    here; `images` are PIL images (PNG-encoded here with `png_params` in a text chunk each).
-    `meta` None writes no result hash (a cancelled job has nothing to show)."""
+    """One job's end as the job thread saw it. `meta["timings"]` gets encode_s here; `images`
+    are PIL images (PNG-encoded here with `png_params` in a text chunk each). `meta` None
+    writes no result hash (a cancelled job has nothing to show)."""
 
     job_id: str
     dispatch: str
@@ -95,7 +95,7 @@ class Uploader:
                     self._cond.notify_all()
 
     def write(self, item: Finished) -> bool:
-        """Encode, check the size cap, upload the images, then end the job in one atomic
+        """Encode, check the size cap, then write the images and end the job in one atomic
         step (protocol.finish). False when the job was no longer ours."""
         meta = item.meta
         timings: dict[str, Any] = {} if meta is None else meta.setdefault("timings", {})
@@ -119,13 +119,6 @@ class Uploader:
                 pngs = []
         if error and meta is not None:
             meta["error"] = error
-        t = time.monotonic()
-        if pngs and not self._retry(
-            protocol.upload_images, self._client, item.job_id, item.dispatch, pngs
-        ):
-            log.warning("job %s is no longer ours; its result was not written", item.job_id)
-            return False
-        timings["upload_s"] = round(time.monotonic() - t, 4)
         ok = self._retry(
             protocol.finish,
             self._client,
@@ -136,7 +129,7 @@ class Uploader:
             error=error,
             meta=meta,
             records=item.records,
-            count=len(pngs),
+            pngs=pngs,
             job_fields=item.job_fields,
         )
         if not ok:

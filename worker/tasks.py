@@ -10,11 +10,13 @@ that does not load or fit, a runtime error) fails alone: the worker goes on with
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import fields
 from typing import Any
 
@@ -131,20 +133,23 @@ class JobRun:
         if loaded:
             self.timings["load_s"] = loaded["load_s"]
             self.timings["warmup_s"] = loaded["warmup_s"]
-        # Before any native call: if the runtime kills this process, the scheduler's poison
-        # report quotes these records.
-        # One round trip for both, since every job pays it.
-        pipe = self.redis.pipeline(transaction=False)
-        pipe.hset(
-            protocol.job_key(self.job_id),
-            "records",
-            json.dumps(self.ctx.load_records.get(name, [])),
-        )
-        pipe.exists(protocol.cancel_key(self.job_id))
-        if pipe.execute()[-1]:
-            self._end("cancelled")
-            return
-        with CancelWatch(self):
+        if loaded:
+            # Before the first native call after a load: if the runtime kills this process,
+            # the scheduler's poison report quotes these records. A cancel that came during
+            # the load ends the job here, without ending the process. A job on a warm engine
+            # skips this round trip: its claim checked the cancel a moment ago, and a later
+            # one is caught by the cancel watch.
+            pipe = self.redis.pipeline(transaction=False)
+            pipe.hset(
+                protocol.job_key(self.job_id),
+                "records",
+                json.dumps(self.ctx.load_records.get(name, [])),
+            )
+            pipe.exists(protocol.cancel_key(self.job_id))
+            if pipe.execute()[-1]:
+                self._end("cancelled")
+                return
+        with cancel_watch().watching(self):
             if sleep_s:
                 time.sleep(sleep_s)
             self.timings["worker_pre_s"] = round(time.monotonic() - self._t0, 4)
@@ -264,29 +269,55 @@ class JobRun:
 
 
 class CancelWatch:
-    """Polls `cancel:{id}` while the job runs native code (or sleeps in a test hook): the
-    engine's progress callback only fires per step, and a step can take minutes."""
+    """Polls `cancel:{id}` while a job runs native code (or sleeps in a test hook): the
+    engine's progress callback only fires per step, and a step can take minutes. One thread
+    per worker process, started with its first job: a thread start per job cost about 0.3 ms
+    on the path of every job."""
 
-    def __init__(self, job: JobRun) -> None:
-        self._job = job
-        self._stop = threading.Event()
+    def __init__(self) -> None:
+        self.pid = os.getpid()
+        self._job: JobRun | None = None
+        self._cond = threading.Condition()
         self._thread = threading.Thread(target=self._run, name="sdfarm-cancel", daemon=True)
-
-    def __enter__(self) -> CancelWatch:
         self._thread.start()
-        return self
 
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
+    @contextlib.contextmanager
+    def watching(self, job: JobRun) -> Iterator[None]:
+        with self._cond:
+            self._job = job
+            self._cond.notify_all()
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._job = None
+                self._cond.notify_all()
 
     def _run(self) -> None:
-        while not self._stop.wait(CANCEL_POLL_S):
+        while True:
+            with self._cond:
+                while self._job is None:
+                    self._cond.wait()
+                job = self._job
+                self._cond.wait(CANCEL_POLL_S)
+                if self._job is not job:
+                    continue
             try:
-                if self._job._cancel_requested():
-                    self._job.cancel_running()
+                if job._cancel_requested():
+                    job.cancel_running()
             except Exception as exc:  # noqa: BLE001 - keep watching through a Redis blip
                 log.warning("cancel check failed: %s", exc)
+
+
+_watch: CancelWatch | None = None
+
+
+def cancel_watch() -> CancelWatch:
+    """This process's CancelWatch (a forked child starts its own)."""
+    global _watch
+    if _watch is None or _watch.pid != os.getpid():
+        _watch = CancelWatch()
+    return _watch
 
 
 # -- parsing ---------------------------------------------------------------------------------
