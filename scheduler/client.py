@@ -207,13 +207,18 @@ class Job:
 
     def wait(self, timeout: float | None = None) -> str:
         """Block until the job is final; its state. TimeoutError after `timeout` seconds."""
+        return self._wait(timeout)[0]
+
+    def _wait(self, timeout: float | None) -> tuple[str, tuple[Any, Any] | None]:
+        """The final state, and the raw job and result hashes when the wake-up read them
+        (the round trip after the done token brings everything `result` needs)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         done = protocol.done_key(self.id)
         token_seen = False
         while True:
             state = self.state()
             if state in protocol.FINAL_STATES:
-                return state
+                return state, None
             if not state:
                 raise FarmError(f"no job {self.id} (unknown, or expired)")
             if token_seen:  # a token with the state not yet final: never spin hot
@@ -226,20 +231,24 @@ class Job:
                 token_seen = True
                 pipe = self._r.pipeline(transaction=False)
                 pipe.rpush(done, got[1])  # leave it for other waiters
-                pipe.hget(protocol.job_key(self.id), "state")
-                state = protocol.decode(pipe.execute()[1])
+                pipe.hgetall(protocol.job_key(self.id))
+                pipe.hgetall(protocol.result_key(self.id))
+                _, raw_rec, raw = pipe.execute()
+                state = protocol.decode(raw_rec.get(b"state"))
                 if state in protocol.FINAL_STATES:
-                    return state
+                    return state, (raw_rec, raw)
 
     def result(self, timeout: float | None = None) -> Result:
         """The images; JobFailed / JobCancelled / TimeoutError otherwise."""
-        state = self.wait(timeout)
+        state, read = self._wait(timeout)
         if state == "cancelled":
             raise JobCancelled(self.id)
-        pipe = self._r.pipeline(transaction=False)
-        pipe.hgetall(protocol.job_key(self.id))
-        pipe.hgetall(protocol.result_key(self.id))
-        raw_rec, raw = pipe.execute()
+        if read is None:
+            pipe = self._r.pipeline(transaction=False)
+            pipe.hgetall(protocol.job_key(self.id))
+            pipe.hgetall(protocol.result_key(self.id))
+            read = pipe.execute()
+        raw_rec, raw = read
         rec = {protocol.decode(k): protocol.decode(v) for k, v in raw_rec.items()}
         res = {protocol.decode(k): v for k, v in raw.items()}
         records = _json(res.get("records"), None)
