@@ -156,13 +156,7 @@ class Engine:
             planned = choose_compute_device(figs, pinned or device)
         except ValueError:
             planned = _fallback_device(figs)
-        self._decode_pp = (
-            memory.IM2COL_DECODE_BYTES_PER_PIXEL
-            if planned.type != "cpu"
-            and "taesd" not in self.model.files
-            and not use_vae_conv_direct(self.model.files, planned.name)
-            else 0
-        )
+        self._decode_pp = decode_bytes_per_pixel(self.model.files, planned)
         estimate = memory.estimate_bytes(
             self.model.total_bytes, w, h, w * h, decode_per_pixel=self._decode_pp
         )
@@ -479,6 +473,15 @@ def use_vae_conv_direct(roles: Mapping[str, object], device: str) -> bool:
     if forced in ("0", "1"):
         return forced == "1"
     return "taesd" not in roles and not device.startswith("CUDA")
+
+
+def decode_bytes_per_pixel(roles: Mapping[str, object], device: Device) -> int:
+    """Decode working memory per output pixel beyond the seed's estimate: the full VAE
+    without direct convolution on a GPU (IM2COL_DECODE_BYTES_PER_PIXEL), else 0. Workers put
+    it in their heartbeat so the scheduler's estimate matches the engine's own check."""
+    if device.type == "cpu" or "taesd" in roles or use_vae_conv_direct(roles, device.name):
+        return 0
+    return memory.IM2COL_DECODE_BYTES_PER_PIXEL
 
 
 def _fallback_device(figs: HostFigures) -> Device:

@@ -18,7 +18,7 @@ still places):
 | `memory_limit` | the worker's --memory-limit in bytes (null: none) | null |
 | `compute_figure`, `slow_figure`, `capacity` | figures the worker computed itself | derived |
 | `loaded` | engines: list of {name, estimate, busy, pinned, idle_since} | [] |
-| `models` | {name: {bytes, native_size: [w, h]}} the worker can load | {} |
+| `models` | {name: {bytes, native_size: [w, h], decode_per_pixel}} the worker can load | {} |
 | `accepting` | false while draining | true |
 | `incarnation` | the id of the process that runs jobs | "" |
 """
@@ -224,18 +224,21 @@ def account(
     )
 
 
-def heartbeat_models(hb: Mapping[str, Any]) -> dict[str, tuple[int, tuple[int, int]]]:
-    """{name: (bytes, native size)} a heartbeat's worker can load (a dict or a list)."""
+def _model_items(hb: Mapping[str, Any]) -> Iterable[tuple[str, Mapping[str, Any]]]:
+    """(name, info) of each model a heartbeat lists (a {name: info} dict or a list)."""
     raw = hb.get("models") or {}
     items: Iterable[tuple[str, Any]]
     if isinstance(raw, Mapping):
         items = raw.items()
     else:
         items = ((str(m.get("name", "")), m) for m in raw if isinstance(m, Mapping))
+    return ((name, info) for name, info in items if name and isinstance(info, Mapping))
+
+
+def heartbeat_models(hb: Mapping[str, Any]) -> dict[str, tuple[int, tuple[int, int]]]:
+    """{name: (bytes, native size)} a heartbeat's worker can load (a dict or a list)."""
     out = {}
-    for name, info in items:
-        if not name or not isinstance(info, Mapping):
-            continue
+    for name, info in _model_items(hb):
         size = info.get("native_size") or DEFAULT_NATIVE_SIZE
         try:
             native = (int(size[0]), int(size[1]))
@@ -245,22 +248,39 @@ def heartbeat_models(hb: Mapping[str, Any]) -> dict[str, tuple[int, tuple[int, i
     return out
 
 
-def model_facts(
-    heartbeats: Mapping[str, Mapping[str, Any]], name: str
-) -> tuple[int, tuple[int, int]] | None:
-    """(bytes, native size) of `name` from any heartbeat that lists it; hosts whose copies
-    differ give the largest (the cautious estimate). None: no live worker has the model."""
-    found = [heartbeat_models(hb).get(name) for hb in heartbeats.values()]
-    found = [f for f in found if f is not None]
+ModelFactsT = tuple[int, tuple[int, int], int]
+"""(bytes, native size, decode bytes per output pixel) of a model, as placement uses them."""
+
+
+def decode_per_pixel(hb: Mapping[str, Any], name: str) -> int:
+    """What the heartbeat's device adds per output pixel to `name`'s estimate for its decode
+    (the full VAE without direct convolution on CUDA; 0 when the worker does not say)."""
+    for listed, info in _model_items(hb):
+        if listed == name:
+            return _int(info.get("decode_per_pixel"))
+    return 0
+
+
+def model_facts(heartbeats: Mapping[str, Mapping[str, Any]], name: str) -> ModelFactsT | None:
+    """(bytes, native size, decode per pixel) of `name` from every heartbeat that lists it;
+    hosts whose copies or decode paths differ give the largest (the cautious estimate: one
+    estimate per job, valid on every device that may get it). None: no live worker has it."""
+    found = [
+        (facts, decode_per_pixel(hb, name))
+        for hb in heartbeats.values()
+        if (facts := heartbeat_models(hb).get(name)) is not None
+    ]
     if not found:
         return None
-    return max(f[0] for f in found), min(found, key=lambda f: f[1][0] * f[1][1])[1]
+    native = min((f[0][1] for f in found), key=lambda s: s[0] * s[1])
+    return max(f[0][0] for f in found), native, max(f[1] for f in found)
 
 
-def estimate_for(facts: tuple[int, tuple[int, int]], width: int, height: int) -> int:
-    """The job's estimate: the seed's rule grown with the image size (native/memory.py)."""
-    model_bytes, (nw, nh) = facts
-    return estimate_bytes(model_bytes, int(width), int(height), nw * nh)
+def estimate_for(facts: ModelFactsT, width: int, height: int) -> int:
+    """The job's estimate: the seed's rule grown with the image size, plus the decode term the
+    workers report (native/memory.py)."""
+    model_bytes, (nw, nh), decode = facts
+    return estimate_bytes(model_bytes, int(width), int(height), nw * nh, decode_per_pixel=decode)
 
 
 def spec_size(spec: Mapping[str, Any]) -> tuple[int, int]:
@@ -302,7 +322,7 @@ class Snapshot:
     heads: dict[int, list[str]] = field(default_factory=dict)
     head_fields: dict[str, list[str]] = field(default_factory=dict)
 
-    def model_facts(self, name: str) -> tuple[int, tuple[int, int]] | None:
+    def model_facts(self, name: str) -> ModelFactsT | None:
         return model_facts(self.heartbeats, name)
 
     def job_estimate(self, spec: Mapping[str, Any]) -> int | None:

@@ -29,6 +29,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from sdfarm.native.devices import gpu_figure
+from sdfarm.native.engine import decode_bytes_per_pixel
 from sdfarm.native.probe import mem_available
 from sdfarm.worker import protocol
 
@@ -92,11 +93,14 @@ def version() -> dict[str, str]:
 
 
 class ModelFacts:
-    """{name: {"bytes", "native_size"}} for every model in the catalog, re-read only when a
-    model's folder changes (headers of big models are not free to parse every second)."""
+    """{name: {"bytes", "native_size", "decode_per_pixel"}} for every model in the catalog,
+    re-read only when a model's folder changes (headers of big models are not free to parse
+    every second). `decode_per_pixel` is what this device's decode adds to the estimate
+    (sdfarm.native.engine.decode_bytes_per_pixel)."""
 
-    def __init__(self, catalog: Any) -> None:
+    def __init__(self, catalog: Any, device: Any) -> None:
         self._catalog = catalog
+        self._device = device
         self._known: dict[str, tuple[float, dict[str, Any]]] = {}
         self.bad: dict[str, str] = {}
         self._scanned = 0.0
@@ -118,7 +122,11 @@ class ModelFacts:
                     model = self._catalog.load(name)
                     known = (
                         stamp,
-                        {"bytes": model.total_bytes, "native_size": list(model.native_size)},
+                        {
+                            "bytes": model.total_bytes,
+                            "native_size": list(model.native_size),
+                            "decode_per_pixel": decode_bytes_per_pixel(model.files, self._device),
+                        },
                     )
                     self._known[name] = known
                 facts[name] = known[1]
@@ -135,7 +143,7 @@ class Heartbeat:
     def __init__(self, ctx: Context) -> None:
         self._ctx = ctx
         self._stop = threading.Event()
-        self._models = ModelFacts(ctx.catalog)
+        self._models = ModelFacts(ctx.catalog, ctx.config.device)
         self._version = version()
         self._thread = threading.Thread(target=self._run, name="sdfarm-heartbeat", daemon=True)
 

@@ -42,11 +42,12 @@ accel), description, free and total (startup probe), capacity (the device's figu
 engines hold nothing, capped by --memory-limit), compute_figure (capacity minus the estimates
 of loaded engines), slow_figure (a GPU: its remaining figure + MemAvailable; CPU: =
 compute_figure), mem_available, loaded ([{name, estimate, busy, pinned, idle_since, idle_s}]),
-loading (model name or null), models ({name: {bytes, native_size: [w, h]}} for every model in
-the worker's directories), bad_models ({name: error}), queue (messages waiting in its Celery
-queue), state (idle / loading / busy), current_job, version ({sdfarm, sd}), incarnation (a
-uuid per pool process: a change means the process was replaced and its running job is lost),
-pid, memory_limit, keep_alive, ts. All sizes in bytes.
+loading (model name or null), models ({name: {bytes, native_size: [w, h], decode_per_pixel}}
+for every model in the worker's directories; decode_per_pixel is what this device's VAE decode
+adds to the estimate per output pixel), bad_models ({name: error}), queue (messages waiting
+in its Celery queue), state (idle / loading / busy), current_job, version ({sdfarm, sd}),
+incarnation (a uuid per pool process: a change means the process was replaced and its running
+job is lost), pid, memory_limit, keep_alive, ts. All sizes in bytes.
 
 Events (`events:{id}`, JSON with `event` and `t`): queued, placed, running (claimed: device,
 incarnation), loading (model, estimate) and loaded (model, load_s, warmup_s) only when the

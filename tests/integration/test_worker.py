@@ -207,6 +207,7 @@ def test_job_result_holds_png_metadata_records_and_heartbeat(farm: Farm, plain: 
     assert hb["key"] == plain.key and hb["type"] == "cpu" and hb["backend"] == "CPU"
     assert set(hb["models"]) == {"tiny-f16", "tiny-q8_0"}
     assert hb["models"]["tiny-f16"]["native_size"] == [256, 256]
+    assert hb["models"]["tiny-f16"]["decode_per_pixel"] == 0  # a CPU worker: no im2col term
     assert hb["compute_figure"] <= hb["capacity"] and hb["queue"] == 0
     assert hb["version"]["sd"].startswith("master-596")
     assert farm.redis.sismember(P.DEVICES_KEY, plain.key)

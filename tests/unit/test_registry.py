@@ -6,6 +6,9 @@ import json
 
 import pytest
 
+from sdfarm.native.devices import Device
+from sdfarm.native.engine import decode_bytes_per_pixel
+from sdfarm.native.memory import IM2COL_DECODE_BYTES_PER_PIXEL as IM2COL
 from sdfarm.native.memory import SEED_OVERHEAD
 from sdfarm.scheduler.placement import GiB, LoadedModel
 from sdfarm.scheduler.registry import (
@@ -142,17 +145,48 @@ def test_model_facts_takes_the_largest_copy_and_none_when_missing() -> None:
         "h1/CUDA0": gpu_hb(20, models={"m": {"bytes": 100, "native_size": [512, 512]}}),
         "h2/CPU": cpu_hb(models=[{"name": "m", "bytes": 300, "native_size": [1024, 1024]}]),
     }
-    assert model_facts(hbs, "m") == (300, (512, 512))
+    assert model_facts(hbs, "m") == (300, (512, 512), 0)
     assert model_facts(hbs, "other") is None
     assert heartbeat_models({"models": {"x": {"bytes": 1}}}) == {"x": (1, (512, 512))}
 
 
 def test_estimate_grows_above_the_native_size_only() -> None:
-    facts = (4 * GiB, (512, 512))
+    facts = (4 * GiB, (512, 512), 0)
     base = 4 * GiB + GiB + SEED_OVERHEAD
     assert estimate_for(facts, 512, 512) == base
     assert estimate_for(facts, 256, 256) == base
     assert estimate_for(facts, 1024, 512) > base
+
+
+def test_a_cuda_workers_decode_term_reaches_the_estimate() -> None:
+    """The engine adds IM2COL_DECODE_BYTES_PER_PIXEL for a full VAE decoded on CUDA; a
+    worker reports it per model, and the scheduler's estimate takes the largest."""
+    m = {"bytes": 2 * GiB, "native_size": [512, 512]}
+    hbs = {
+        "h1/CUDA0": gpu_hb(20, models={"m": {**m, "decode_per_pixel": IM2COL}}),
+        "h2/CPU": cpu_hb(models=[{"name": "m", **m, "decode_per_pixel": 0}]),
+        "h3/Vulkan0": gpu_hb(20, models={"m": m}),  # an older worker: no term
+    }
+    facts = model_facts(hbs, "m")
+    assert facts == (2 * GiB, (512, 512), IM2COL)
+    plain = estimate_for((2 * GiB, (512, 512), 0), 1024, 1024)
+    assert estimate_for(facts, 1024, 1024) == plain + 1024 * 1024 * IM2COL
+    only_cpu = {k: v for k, v in hbs.items() if k != "h1/CUDA0"}
+    assert model_facts(only_cpu, "m") == (2 * GiB, (512, 512), 0)
+
+
+@pytest.mark.parametrize(
+    ("device", "roles", "expected"),
+    [
+        (Device(0, "CUDA0", "H200", "gpu", 1, 1), {"diffusion_model": 1, "vae": 1}, IM2COL),
+        (Device(0, "CUDA0", "H200", "gpu", 1, 1), {"diffusion_model": 1, "taesd": 1}, 0),
+        (Device(0, "Vulkan0", "H200", "gpu", 1, 1), {"diffusion_model": 1, "vae": 1}, 0),
+        (Device(0, "CPU", "Xeon", "cpu", 1, 1), {"diffusion_model": 1, "vae": 1}, 0),
+    ],
+)
+def test_decode_term_per_device_and_vae(device, roles, expected, monkeypatch) -> None:
+    monkeypatch.delenv("SDFARM_VAE_CONV_DIRECT", raising=False)
+    assert decode_bytes_per_pixel(roles, device) == expected
 
 
 def test_spec_size_defaults() -> None:
