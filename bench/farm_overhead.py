@@ -56,18 +56,41 @@ def on_farm(models_dir: Path, model: str, jobs: int, size: int, steps: int) -> d
     common = {"width": size, "height": size, "steps": steps}
     with LocalFarm([models_dir], announce=False) as local, Farm(local.url) as farm:
         farm.submit(model, "warm", seed=0, **common).result(timeout=300)
-        lat, gen = [], []
+        lat, gen, hops = [], [], []
         for i in range(jobs):
-            t = time.perf_counter()
-            r = farm.submit(model, f"prompt {i}", seed=i, **common).result(timeout=300)
+            t, wall = time.perf_counter(), time.time()
+            job = farm.submit(model, f"prompt {i}", seed=i, **common)
+            r = job.result(timeout=300)
             lat.append(time.perf_counter() - t)
             gen.append(r.metadata["timings"]["generate_s"])
+            hops.append(job_hops(wall, time.time(), job.events(), r.metadata["timings"]))
         t0 = time.perf_counter()
         pending = [farm.submit(model, f"batch {i}", seed=i, **common) for i in range(jobs)]
         for job in pending:
             job.result(timeout=600)
         total = time.perf_counter() - t0
-    return {"latency": lat, "generate": gen, "throughput": jobs / total}
+    return {"latency": lat, "generate": gen, "throughput": jobs / total, "hops": hops}
+
+
+HOPS = ("submit", "scheduler", "celery", "worker", "encode", "client")
+
+
+def job_hops(start: float, end: float, events: list[dict], timings: dict) -> dict[str, float]:
+    """Where one sequential job's time outside generation went, from its events (each
+    stamped with time.time() by the process that wrote it): the client's own work before its
+    submit script; the submit script, the scheduler's wake-up and placement; the placement
+    script and Celery's delivery to the pool process; the worker's claim and work around the
+    generation; the PNG encode; the final write and the client's wake-up and read."""
+    t = {e["event"]: e["t"] for e in events if e.get("event") != "step"}
+    encode = timings.get("encode_s", 0.0)
+    return {
+        "submit": t["queued"] - start,
+        "scheduler": t["placed"] - t["queued"],
+        "celery": t["running"] - t["placed"],
+        "worker": t["done"] - t["running"] - timings["generate_s"] - encode,
+        "encode": encode,
+        "client": end - t["done"],
+    }
 
 
 def summary(run: dict) -> dict:
@@ -80,6 +103,11 @@ def summary(run: dict) -> dict:
         "added_p99_ms": pct(added, 99) * 1e3,
         "added_mean_ms": statistics.fmean(added) * 1e3,
         "throughput_per_s": run["throughput"],
+        **{
+            f"hop_{h}_p50_ms": pct([x[h] for x in run["hops"]], 50) * 1e3
+            for h in HOPS
+            if run.get("hops")
+        },
     }
 
 
@@ -105,6 +133,10 @@ def main() -> int:
         f"p99 {local['added_p99_ms']:.2f} ms, the PNG encode)"
     )
     print(f"throughput farm / in-process: {ratio:.3f}")
+    print(
+        "where a sequential farm job's added time goes (p50, ms): "
+        + ", ".join(f"{h} {farm[f'hop_{h}_p50_ms']:.2f}" for h in HOPS)
+    )
     if args.out:
         doc = {
             "bench": "farm_overhead",
