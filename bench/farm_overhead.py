@@ -6,7 +6,7 @@ result's metadata), so it counts everything the farm does: queueing, placement, 
 hop, PNG encoding, the upload and the wake-up of the client. A batch submitted at once gives
 the throughput, side by side with the in-process loop (generate + PNG encode per image).
 
-    python bench/farm_overhead.py [--jobs 200] [--size 64] [--steps 1] [--out FILE.json]
+    python bench/farm_overhead.py [--jobs 200] [--size 64] [--steps 1] [--model DIR] [--out FILE]
 """
 
 from __future__ import annotations
@@ -117,12 +117,15 @@ def main() -> int:
     p.add_argument("--size", type=int, default=64)
     p.add_argument("--steps", type=int, default=1)
     p.add_argument("--out", default=None)
+    p.add_argument("--model", default=None, help="a model folder (default: a fresh tiny model)")
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        tiny = make_test_model(Path(tmp))[0]
-        local = summary(in_process(tiny, args.jobs, args.size, args.steps))
-        farm = summary(on_farm(tiny.parent, tiny.name, args.jobs, args.size, args.steps))
-    print(f"{args.jobs} jobs, tiny model, {args.size}x{args.size}, {args.steps} step(s)")
+        model = Path(args.model).resolve() if args.model else make_test_model(Path(tmp))[0]
+        local = summary(in_process(model, args.jobs, args.size, args.steps))
+        print("in-process loop done; now the farm", file=sys.stderr, flush=True)
+        farm = summary(on_farm(model.parent, model.name, args.jobs, args.size, args.steps))
+    name = model.name if args.model else "tiny model"
+    print(f"{args.jobs} jobs, {name}, {args.size}x{args.size}, {args.steps} step(s)")
     print(f"{'':28} {'in-process':>12} {'farm':>12}")
     for k in local:
         print(f"{k:28} {local[k]:>12.2f} {farm[k]:>12.2f}")
@@ -143,6 +146,7 @@ def main() -> int:
             "jobs": args.jobs,
             "size": args.size,
             "steps": args.steps,
+            "model": name,
             "machine": platform.platform(),
             "date": time.strftime("%Y-%m-%d"),
             "in_process": local,

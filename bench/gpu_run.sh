@@ -6,7 +6,7 @@
 #   bash bench/gpu_run.sh bench1    # warm-up (cuda, vulkan), speed cuda against sd-cli
 #   bash bench/gpu_run.sh bench2    # farm (cuda), memory (cuda, vulkan), speed vulkan, speed cpu
 #   bash bench/gpu_run.sh cudafarm  # CUDA only: farm (cuda), speed cuda at 1024 against sd-cli
-#   bash bench/gpu_run.sh overhead  # farm_overhead.py (tiny model) on CUDA0 and on the CPU
+#   bash bench/gpu_run.sh overhead  # farm_overhead.py on CUDA0 (full-size model at 256, tiny model)
 #
 # Carried: .whl/*.whl (our dependencies for python3.12), .carry/{redis-server,
 # stable_diffusion_cpp_python-0.4.7.tar.gz}; for the Vulkan stages also .gl/*.deb (Vulkan
@@ -224,16 +224,14 @@ cudafarm() {
 # The farm's added latency per job against the in-process loop (bench/farm_overhead.py, the
 # tiny model) on this 16-core host: on the GPU, then on the CPU alone (no CUDA device seen).
 overhead() {
-    prep
-    cuda_ensure
-    cuda_built || { say "no CUDA runtime: nothing to measure"; exit 3; }
-    mkdir -p "$OUT/cuda" "$OUT/cpu"
-    say "farm_overhead.py on CUDA0"
-    SDFARM_RUNTIME_DIR=$(cuda_field directory) timeout 240 $PY bench/farm_overhead.py \
-        --jobs 200 --out "$OUT/cuda/farm-overhead.json"
-    say "farm_overhead.py on the CPU (CUDA_VISIBLE_DEVICES empty)"
-    CUDA_VISIBLE_DEVICES="" SDFARM_RUNTIME_DIR=$(cuda_field directory) timeout 240 \
-        $PY bench/farm_overhead.py --jobs 200 --out "$OUT/cpu/farm-overhead.json"
+    ensure
+    mkdir -p "$OUT/cuda"
+    say "farm_overhead.py, the full-size model at 256x256 on CUDA0"
+    SDFARM_RUNTIME_DIR="$CUDA_DIR" timeout 200 $PY -X faulthandler bench/farm_overhead.py \
+        --model "$MODEL" --size 256 --jobs 100 --out "$OUT/cuda/farm-overhead.json"
+    say "farm_overhead.py, the tiny model on CUDA0 (20 jobs)"
+    SDFARM_RUNTIME_DIR="$CUDA_DIR" timeout 90 $PY -X faulthandler bench/farm_overhead.py \
+        --jobs 20 --out "$OUT/cuda/farm-overhead-tiny.json"
 }
 
 case "$PHASE" in
