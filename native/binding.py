@@ -135,17 +135,31 @@ def make_ffibuilder(libdir: Path) -> Any:
 
 def load(backend: str | None = None) -> tuple[Any, Any]:
     """Return (ffi, lib) for the runtime of `backend` (default `$SDFARM_BACKEND` or cpu),
-    building it on first use. Installs the shim's callbacks before anything else runs, so
-    ggml's device messages never reach stderr."""
-    backend = backend or os.environ.get("SDFARM_BACKEND", "cpu")
-    if backend in _loaded:
+    building it on first use; with `$SDFARM_RUNTIME_DIR` set, the runtime built elsewhere in
+    that folder instead (its backend must match one asked for). Installs the shim's callbacks
+    before anything else runs, so ggml's device messages never reach stderr."""
+    backend = backend or os.environ.get("SDFARM_BACKEND") or None
+    prebuilt = os.environ.get("SDFARM_RUNTIME_DIR")
+    if backend is None and not prebuilt:
+        backend = "cpu"
+    if backend is not None and backend in _loaded:
         return _loaded[backend]
     if _loaded:
         raise RuntimeError(f"the {next(iter(_loaded))} runtime is already loaded in this process")
     from sdfarm.native.build import MODULE_NAME as _name
-    from sdfarm.native.build import ensure_runtime
+    from sdfarm.native.build import BuildError, ensure_runtime, prebuilt_runtime
 
-    build = ensure_runtime(backend)
+    if prebuilt:
+        build = prebuilt_runtime(prebuilt)
+        if backend is not None and build.backend != backend:
+            raise BuildError(
+                f"SDFARM_RUNTIME_DIR={prebuilt} holds a {build.backend} build, not {backend} "
+                f"(unset one of SDFARM_RUNTIME_DIR or SDFARM_BACKEND)"
+            )
+        backend = build.backend
+    else:
+        assert backend is not None
+        build = ensure_runtime(backend)
     path = next(Path(build.module_dir).glob(_name + "*"))
     spec = importlib.util.spec_from_file_location(MODULE_NAME, path)
     assert spec is not None and spec.loader is not None

@@ -147,6 +147,36 @@ def test_devices_json_lists_the_cpu_and_the_choices():
     assert doc["sd_version"] == "master-596-90e87bc"
 
 
+def test_a_runtime_built_elsewhere_loads_through_sdfarm_runtime_dir(tmp_path):
+    """SDFARM_RUNTIME_DIR: a build carried from another machine (library, headers and
+    build.json only) is used as it is, with an empty cache and nothing built but our shim; a
+    backend that contradicts it is refused by name."""
+    import os
+    import shutil
+
+    from sdfarm.native.build import ensure_runtime
+
+    built = Path(ensure_runtime("cpu").directory)
+    carried = tmp_path / "carried"
+    carried.mkdir()
+    for name in ("build.json", "include", *[p.name for p in built.glob("libstable-diffusion.*")]):
+        src = built / name
+        (shutil.copytree if src.is_dir() else shutil.copy2)(src, carried / name)
+    cache = tmp_path / "empty-cache"
+    env = {**os.environ, "SDFARM_RUNTIME_DIR": str(carried), "SDFARM_CACHE": str(cache)}
+    env.pop("SDFARM_BACKEND", None)
+    run = [sys.executable, "-m", "sdfarm.scheduler.cli", "devices", "--json"]
+    done = subprocess.run(run, capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "CPU" in [d["name"] for d in one_json(done.stdout)["devices"]]
+    assert not (cache / "runtime").exists()  # nothing was built or downloaded
+    assert list(carried.glob("shim-*"))  # only the shim, compiled next to the runtime
+    env["SDFARM_BACKEND"] = "cuda"
+    done = subprocess.run(run, capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode != 0
+    assert "holds a cpu build, not cuda" in done.stdout + done.stderr
+
+
 def test_make_test_model_writes_both_formats(tmp_path):
     done = sdfarm("make-test-model", str(tmp_path), "--json")
     assert done.returncode == 0, done.stderr
