@@ -15,6 +15,7 @@ import argparse
 import json
 import platform
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -23,7 +24,14 @@ from pathlib import Path
 from sdfarm.native.engine import Engine
 from sdfarm.native.params import GenerationParams
 from sdfarm.native.png import png_bytes
-from sdfarm.native.testmodel import make_test_model
+
+
+def tiny_model(folder: Path) -> Path:
+    """The tiny test model, written by a child process: numpy stays out of this one (on the
+    H200 host, its numpy imported before a runtime load crashed new_sd_ctx: docs/gpu.md)."""
+    cmd = [sys.executable, "-m", "sdfarm.scheduler.cli", "make-test-model", str(folder), "--json"]
+    done = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    return Path(json.loads(done.stdout)["models"][0])
 
 
 def pct(values: list[float], p: float) -> float:
@@ -120,7 +128,7 @@ def main() -> int:
     p.add_argument("--model", default=None, help="a model folder (default: a fresh tiny model)")
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        model = Path(args.model).resolve() if args.model else make_test_model(Path(tmp))[0]
+        model = Path(args.model).resolve() if args.model else tiny_model(Path(tmp))
         local = summary(in_process(model, args.jobs, args.size, args.steps))
         print("in-process loop done; now the farm", file=sys.stderr, flush=True)
         farm = summary(on_farm(model.parent, model.name, args.jobs, args.size, args.steps))

@@ -226,12 +226,12 @@ cudafarm() {
 overhead() {
     ensure
     mkdir -p "$OUT/cuda"
-    say "farm_overhead.py, the full-size model at 256x256 on CUDA0"
-    SDFARM_BACKEND=cuda SDFARM_RUNTIME_DIR="$CUDA_DIR" timeout 200 $PY -X faulthandler bench/farm_overhead.py \
-        --model "$MODEL" --size 256 --jobs 100 --out "$OUT/cuda/farm-overhead.json"
-    say "farm_overhead.py, the tiny model on CUDA0 (20 jobs)"
-    SDFARM_BACKEND=cuda SDFARM_RUNTIME_DIR="$CUDA_DIR" timeout 90 $PY -X faulthandler bench/farm_overhead.py \
-        --jobs 20 --out "$OUT/cuda/farm-overhead-tiny.json"
+    for size in 256 512; do
+        say "farm_overhead.py, the full-size model at ${size}x${size} on CUDA0"
+        SDFARM_BACKEND=cuda SDFARM_RUNTIME_DIR="$CUDA_DIR" timeout 150 $PY -X faulthandler \
+            bench/farm_overhead.py --model "$MODEL" --size $size --jobs 100 \
+            --out "$OUT/cuda/farm-overhead-$size.json"
+    done
 }
 
 case "$PHASE" in
