@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import subprocess
@@ -57,6 +58,32 @@ def in_process(model: Path, jobs: int, size: int, steps: int) -> dict:
     return {"latency": lat, "generate": gen, "throughput": jobs / total}
 
 
+def celery_floor(redis_url: str, n: int) -> list[float]:
+    """Sequential round trips of a no-op Celery task (bench/celery_noop.py) through a
+    prefork worker of one process on the farm's Redis: send, run, store and read the result."""
+    env = {**os.environ, "SDFARM_REDIS_URL": redis_url}
+    here = Path(__file__).resolve().parent
+    cmd = [sys.executable, "-m", "celery", "-A", "celery_noop", "worker", "--pool", "prefork"]
+    cmd += ["-c", "1", "-Q", "noop", "--without-gossip", "--without-mingle", "-l", "WARNING"]
+    worker = subprocess.Popen(cmd, cwd=here, env=env, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL)  # fmt: skip
+    sys.path.insert(0, str(here))
+    os.environ["SDFARM_REDIS_URL"] = redis_url
+    try:
+        from celery_noop import noop
+
+        noop.apply_async((0,), queue="noop").get(timeout=120)  # the worker is up
+        out = []
+        for i in range(n):
+            t = time.perf_counter()
+            noop.apply_async((i,), queue="noop").get(timeout=30)
+            out.append(time.perf_counter() - t)
+        return out
+    finally:
+        worker.terminate()
+        worker.wait(30)
+
+
 def on_farm(models_dir: Path, model: str, jobs: int, size: int, steps: int) -> dict:
     from sdfarm.scheduler.client import Farm
     from sdfarm.scheduler.localfarm import LocalFarm
@@ -72,12 +99,19 @@ def on_farm(models_dir: Path, model: str, jobs: int, size: int, steps: int) -> d
             lat.append(time.perf_counter() - t)
             gen.append(r.metadata["timings"]["generate_s"])
             hops.append(job_hops(wall, time.time(), job.events(), r.metadata["timings"]))
+        floor = celery_floor(local.url, jobs)
         t0 = time.perf_counter()
         pending = [farm.submit(model, f"batch {i}", seed=i, **common) for i in range(jobs)]
         for job in pending:
             job.result(timeout=600)
         total = time.perf_counter() - t0
-    return {"latency": lat, "generate": gen, "throughput": jobs / total, "hops": hops}
+    return {
+        "latency": lat,
+        "generate": gen,
+        "throughput": jobs / total,
+        "hops": hops,
+        "celery_floor": floor,
+    }
 
 
 HOPS = ("submit", "scheduler", "celery", "worker", "encode", "client")
@@ -116,6 +150,14 @@ def summary(run: dict) -> dict:
             for h in HOPS
             if run.get("hops")
         },
+        **(
+            {
+                "celery_noop_p50_ms": pct(run["celery_floor"], 50) * 1e3,
+                "celery_noop_p99_ms": pct(run["celery_floor"], 99) * 1e3,
+            }
+            if run.get("celery_floor")
+            else {}
+        ),
     }
 
 
@@ -135,13 +177,20 @@ def main() -> int:
     name = model.name if args.model else "tiny model"
     print(f"{args.jobs} jobs, {name}, {args.size}x{args.size}, {args.steps} step(s)")
     print(f"{'':28} {'in-process':>12} {'farm':>12}")
-    for k in local:
-        print(f"{k:28} {local[k]:>12.2f} {farm[k]:>12.2f}")
+    for k in farm:
+        if k in local:
+            print(f"{k:28} {local[k]:>12.2f} {farm[k]:>12.2f}")
     ratio = farm["throughput_per_s"] / local["throughput_per_s"]
     print(
         f"farm added latency per job: p50 {farm['added_p50_ms']:.2f} ms, "
         f"p99 {farm['added_p99_ms']:.2f} ms (in-process: p50 {local['added_p50_ms']:.2f} ms, "
         f"p99 {local['added_p99_ms']:.2f} ms, the PNG encode)"
+    )
+    over = {p: farm[f"added_p{p}_ms"] - local[f"added_p{p}_ms"] for p in (50, 99)}
+    print(
+        f"farm over the in-process path (both generate and encode): p50 {over[50]:.2f} ms, "
+        f"p99 {over[99]:.2f} ms; a bare Celery no-op round trip here: "
+        f"p50 {farm['celery_noop_p50_ms']:.2f} ms, p99 {farm['celery_noop_p99_ms']:.2f} ms"
     )
     print(f"throughput farm / in-process: {ratio:.3f}")
     print(
@@ -160,6 +209,8 @@ def main() -> int:
             "in_process": local,
             "farm": farm,
             "throughput_ratio": ratio,
+            "farm_over_in_process_p50_ms": over[50],
+            "farm_over_in_process_p99_ms": over[99],
         }
         Path(args.out).write_text(json.dumps(doc, indent=1) + "\n")
     return 0

@@ -6,7 +6,8 @@
 #   bash bench/gpu_run.sh bench1    # warm-up (cuda, vulkan), speed cuda against sd-cli
 #   bash bench/gpu_run.sh bench2    # farm (cuda), memory (cuda, vulkan), speed vulkan, speed cpu
 #   bash bench/gpu_run.sh cudafarm  # CUDA only: farm (cuda), speed cuda at 1024 against sd-cli
-#   bash bench/gpu_run.sh overhead  # farm_overhead.py on CUDA0 (full-size model at 256, tiny model)
+#   bash bench/gpu_run.sh overhead  # farm_overhead.py on CUDA0 (full-size model at 256 and 512)
+#   bash bench/gpu_run.sh speedbatch # speed vs sd-cli incl. one call of 6 images; overhead at 256
 #
 # Carried: .whl/*.whl (our dependencies for python3.12), .carry/{redis-server,
 # stable_diffusion_cpp_python-0.4.7.tar.gz}; for the Vulkan stages also .gl/*.deb (Vulkan
@@ -234,10 +235,23 @@ overhead() {
     done
 }
 
+# Speed against sd-cli at 512 and 1024 with one call of 6 images per fresh process on each
+# side (the first image of a fresh process varies by +-10% on both), then the farm overhead
+# at 256 with the bare Celery round trip beside it.
+speedbatch() {
+    ensure
+    suite 220 speed --out "$OUT/cuda" --backend cuda --runtime-dir "$CUDA_DIR" --cli "$CLI" \
+        --model "$MODEL" --sizes 512,1024 --steps 1 --runs 3 --speed-batch 6
+    say "farm_overhead.py, the full-size model at 256x256 on CUDA0"
+    SDFARM_BACKEND=cuda SDFARM_RUNTIME_DIR="$CUDA_DIR" timeout 150 $PY -X faulthandler \
+        bench/farm_overhead.py --model "$MODEL" --size 256 --jobs 100 \
+        --out "$OUT/cuda/farm-overhead-256.json"
+}
+
 case "$PHASE" in
     setup | bench1 | bench2) ;;
-    cuda_recheck | cudafarm | overhead) ;;
-    *) echo "usage: bash bench/gpu_run.sh setup|bench1|bench2|cuda_recheck|cudafarm|overhead" >&2; exit 2 ;;
+    cuda_recheck | cudafarm | overhead | speedbatch) ;;
+    *) echo "usage: bash bench/gpu_run.sh setup|bench1|bench2|cuda_recheck|cudafarm|overhead|speedbatch" >&2; exit 2 ;;
 esac
 set -o pipefail
 mkdir -p "$OUT"

@@ -1555,13 +1555,16 @@ def theirs_cli_run(
     out: Path,
     st: Stage,
     timeout: float,
+    batch_count: int = 1,
 ) -> dict[str, Any]:
     env = rt.env()
     # The build folder that sd-cli's rpath named is gone: it finds the library beside it.
     env["LD_LIBRARY_PATH"] = os.pathsep.join(
         p for p in (str(Path(cli).resolve().parent), env.get("LD_LIBRARY_PATH", "")) if p
     )
-    cmd = sd_cli_command(cli, files, w, h, steps, SEED, PROMPT, os.cpu_count() or 1, str(out))
+    cmd = sd_cli_command(
+        cli, files, w, h, steps, SEED, PROMPT, os.cpu_count() or 1, str(out), batch_count
+    )
     st.command(cmd, env)
     t = time.perf_counter()
     done = subprocess.run(
@@ -1634,6 +1637,14 @@ def stage_speed(args: argparse.Namespace, deadline: Deadline, runtimes: list[Run
                     order = ["ours"]
                 if not args.no_nowarm and rt.label != "cpu":
                     order.append("ours-nowarm")
+                if args.speed_batch > 1 and cli:
+                    # Like for like without a first-image lottery: one generate call of
+                    # speed_batch images in a fresh process each side (no warm-up on ours).
+                    order += (
+                        ["ours-batch", "theirs-batch"]
+                        if run % 2 == 0
+                        else ["theirs-batch", "ours-batch"]
+                    )
                 for who in order:
 
                     def one(
@@ -1651,13 +1662,19 @@ def stage_speed(args: argparse.Namespace, deadline: Deadline, runtimes: list[Run
                         elif who == "theirs":
                             assert cli is not None
                             r = theirs_cli_run(rt, cli, files, w, h, steps, out, st, tmo)
+                        elif who == "theirs-batch":
+                            assert cli is not None
+                            r = theirs_cli_run(
+                                rt, cli, files, w, h, steps, out, st, tmo, args.speed_batch
+                            )
                         else:
+                            bc = args.speed_batch if who == "ours-batch" else 1
                             spec = {
                                 "model": args.model,
                                 "device": rt.device,
                                 "warm_up": False,
                                 "log_level": "info",
-                                "gens": gens_spec(1, w, h, steps),
+                                "gens": gens_spec(1, w, h, steps, batch_count=bc),
                             }
                             env = rt.env()
                             st.child_command(spec, env)
@@ -1700,6 +1717,8 @@ def stage_speed(args: argparse.Namespace, deadline: Deadline, runtimes: list[Run
         ow = median(r["wall_s"] for r in d.get("ours", []))
         tw = median(r["wall_s"] for r in d.get("theirs", []))
         steady = (d.get("steady") or [{}])[0]
+        ob = median(r["generate_s"] for r in d.get("ours-batch", []))
+        tb = median(r["generate_s"] for r in d.get("theirs-batch", []))
         s = {
             "runs": {k: len(v) for k, v in d.items()},
             "ours_generate_s": og,
@@ -1713,6 +1732,11 @@ def stage_speed(args: argparse.Namespace, deadline: Deadline, runtimes: list[Run
             "ours_wall_s": ow,
             "theirs_wall_s": tw,
             "ratio_wall": ratio(ow, tw),
+            "speed_batch": args.speed_batch if ob is not None else None,
+            "ours_batch_generate_s": ob,
+            "theirs_batch_generate_s": tb,
+            "ratio_batch": ratio(ob, tb),
+            "within_2pct_batch": within(ratio(ob, tb), 0.02),
             "steady_median_s": steady.get("median_s"),
             "images_per_s": steady.get("images_per_s"),
             # Same inputs, same pixels? Max channel difference of ours against sd-cli's PNG.
@@ -1734,6 +1758,15 @@ def stage_speed(args: argparse.Namespace, deadline: Deadline, runtimes: list[Run
             f"{fmt_s(tw, 2):>9} {fmt_s(s['ratio_wall']):>6} {fmt_s(s['images_per_s'], 2):>7} "
             f"{'-' if s['pixel_diff_max'] is None else s['pixel_diff_max']:>3}"
         )
+    for label, s in summary.items():
+        if s["ratio_batch"] is not None:
+            lines.append(
+                f"{label}: one call of {s['speed_batch']} images in a fresh process: ours "
+                f"{fmt_s(s['ours_batch_generate_s'])} s, "
+                f"sd-cli {fmt_s(s['theirs_batch_generate_s'])} s, "
+                f"ratio {fmt_s(s['ratio_batch'])} "
+                f"({'within' if s['within_2pct_batch'] else 'NOT within'} 2%)"
+            )
     lines.append(
         "rt log: the runtime's own generate_image time inside our process; nowarm: our engine "
         "loaded without warm-up (first generation, as sd-cli's); px: max pixel difference"
@@ -2137,6 +2170,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--jobs", type=int, default=200, help="farm: batch size")
     p.add_argument("--seq-jobs", type=int, default=20, help="farm: sequential latency sample")
     p.add_argument("--batch-count", type=int, default=8)
+    p.add_argument(
+        "--speed-batch",
+        type=int,
+        default=0,
+        help="speed: also one call of N images per fresh process, ours against sd-cli",
+    )
     p.add_argument(
         "--farm-log-dir", default=None, help="farm: the parts' logs (default OUT/farm-logs)"
     )
