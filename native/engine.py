@@ -163,7 +163,7 @@ class Engine:
         verdict = memory.check_memory(estimate, figs, device, pinned=pinned, enabled=check_memory)
         memory.raise_if_refused(verdict)
         self._verdict = verdict
-        compute = verdict.compute_device or _fallback_device(figs)
+        compute = verdict.compute_device or planned
         work = memory.SEED_OVERHEAD
         self.fit: FitPlan = plan_fit(
             self.model.component_bytes(),

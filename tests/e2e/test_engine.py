@@ -96,6 +96,24 @@ def test_sparse_huge_model_without_the_check_fails_quoting_the_runtime(tiny_mode
     assert str(tmp_path) not in str(err.value)
 
 
+def test_without_the_check_the_engine_still_reports_the_device_the_figures_choose(tiny_models):
+    """--no-check-memory skips the refusal, not the device choice: on a GPU host the engine
+    used to report (and plan for) the CPU. Figures injected: a host with a large GPU."""
+    from sdfarm.native.devices import Device, HostFigures
+
+    gib = 1024**3
+    host = HostFigures(
+        (
+            Device(0, "CPU", "cpu", "cpu", 8 * gib, 8 * gib),
+            Device(1, "CUDA0", "gpu", "gpu", 40 * gib, 48 * gib),
+        ),
+        mem_available=8 * gib,
+    )
+    with Engine.load(tiny_models[0], check_memory=False, figures=host, warm_up=False) as e:
+        assert e.capabilities.memory_check == "skip"
+        assert e.capabilities.device == "CUDA0" and e.fit.device == "CUDA0"
+
+
 @pytest.mark.parametrize("kind", ["garbage", "empty", "truncated", "wrong-role"])
 def test_broken_model_files_are_clear_errors_naming_the_role(tiny_models, tmp_path, kind):
     broken = make_broken_model(tiny_models[0], tmp_path / kind, kind)
