@@ -8,8 +8,9 @@
 #   bash bench/gpu_run.sh cudafarm  # CUDA only: farm (cuda), speed cuda at 1024 against sd-cli
 #   bash bench/gpu_run.sh overhead  # farm_overhead.py on CUDA0 (full-size model at 256 and 512)
 #   bash bench/gpu_run.sh speedbatch # speed vs sd-cli incl. one call of 6 images; overhead at 256
+#   bash bench/gpu_run.sh gputests  # pytest tests/gpu on CUDA0 (tiny model, then full-size)
 #
-# Carried: .whl/*.whl (our dependencies for python3.12), .carry/{redis-server,
+# Carried: .whl/*.whl (our dependencies and pytest for python3.12), .carry/{redis-server,
 # stable_diffusion_cpp_python-0.4.7.tar.gz}; for the Vulkan stages also .gl/*.deb (Vulkan
 # loader + glvnd) and .carry/vulkan-runtime.tar.xz (each used only when present); and, once a
 # setup has built it, .carry/cuda-runtime.tar.xz (or its .part-NN pieces).
@@ -248,10 +249,21 @@ speedbatch() {
         --out "$OUT/cuda/farm-overhead-256.json"
 }
 
+# The GPU-only tests (tests/gpu, skipped elsewhere) on CUDA0: with the tiny model, then with
+# the full-size model.
+gputests() {
+    ensure
+    for m in "" "$MODEL"; do
+        say "pytest tests/gpu (model: ${m:-tiny})"
+        SDFARM_BACKEND=cuda SDFARM_RUNTIME_DIR="$CUDA_DIR" SDFARM_GPU_TEST_MODEL="$m" \
+            timeout 200 $PY -m pytest tests/gpu -v -rs -p no:cacheprovider 2>&1 | tail -25
+    done
+}
+
 case "$PHASE" in
     setup | bench1 | bench2) ;;
-    cuda_recheck | cudafarm | overhead | speedbatch) ;;
-    *) echo "usage: bash bench/gpu_run.sh setup|bench1|bench2|cuda_recheck|cudafarm|overhead|speedbatch" >&2; exit 2 ;;
+    cuda_recheck | cudafarm | overhead | speedbatch | gputests) ;;
+    *) echo "usage: bash bench/gpu_run.sh setup|bench1|bench2|cuda_recheck|cudafarm|overhead|speedbatch|gputests" >&2; exit 2 ;;
 esac
 set -o pipefail
 mkdir -p "$OUT"
