@@ -9,6 +9,7 @@
 #   bash bench/gpu_run.sh overhead  # farm_overhead.py on CUDA0 (full-size model at 256 and 512)
 #   bash bench/gpu_run.sh speedbatch # speed vs sd-cli incl. one call of 6 images; overhead at 256
 #   bash bench/gpu_run.sh gputests  # pytest tests/gpu on CUDA0 (tiny model, then full-size)
+#   bash bench/gpu_run.sh cpu1024   # one 1024x1024 image on the CPU alone
 #
 # Carried: .whl/*.whl (our dependencies and pytest for python3.12), .carry/{redis-server,
 # stable_diffusion_cpp_python-0.4.7.tar.gz}; for the Vulkan stages also .gl/*.deb (Vulkan
@@ -260,10 +261,22 @@ gputests() {
     done
 }
 
+# One 1024x1024 image on the CPU alone (16 cores, CUDA hidden), through the CLI: the CPU
+# figure at 1024 that the speed stage's repeated runs would need ~8 minutes for.
+cpu1024() {
+    ensure
+    mkdir -p "$OUT/cpu"
+    CUDA_VISIBLE_DEVICES="" SDFARM_BACKEND=cuda SDFARM_RUNTIME_DIR="$CUDA_DIR" timeout 400 \
+        $PY -m sdfarm.scheduler.cli generate --in-process --model "$MODEL" --device CPU \
+        --width 1024 --height 1024 --steps 1 --seed 42 "a lighthouse on a cliff at dusk" \
+        -o /tmp/cpu1024.png --json > "$OUT/cpu/cpu-1024.json"
+    say "exit $?: $($PY -c "import json; d=json.load(open('$OUT/cpu/cpu-1024.json')); print(d['device'], d['timings'])")"
+}
+
 case "$PHASE" in
     setup | bench1 | bench2) ;;
-    cuda_recheck | cudafarm | overhead | speedbatch | gputests) ;;
-    *) echo "usage: bash bench/gpu_run.sh setup|bench1|bench2|cuda_recheck|cudafarm|overhead|speedbatch|gputests" >&2; exit 2 ;;
+    cuda_recheck | cudafarm | overhead | speedbatch | gputests | cpu1024) ;;
+    *) echo "usage: bash bench/gpu_run.sh setup|bench1|bench2|cuda_recheck|cudafarm|overhead|speedbatch|gputests|cpu1024" >&2; exit 2 ;;
 esac
 set -o pipefail
 mkdir -p "$OUT"
