@@ -10,6 +10,7 @@
 #   bash bench/gpu_run.sh speedbatch # speed vs sd-cli incl. one call of 6 images; overhead at 256
 #   bash bench/gpu_run.sh gputests  # pytest tests/gpu on CUDA0 (tiny model, then full-size)
 #   bash bench/gpu_run.sh cpu1024   # one 1024x1024 image on the CPU alone
+#   bash bench/gpu_run.sh twogpu    # two GPUs: choice, warning, refusal sum, two-worker batch
 #
 # Carried: .whl/*.whl (our dependencies and pytest for python3.12), .carry/{redis-server,
 # stable_diffusion_cpp_python-0.4.7.tar.gz}; for the Vulkan stages also .gl/*.deb (Vulkan
@@ -273,10 +274,20 @@ cpu1024() {
     say "exit $?: $($PY -c "import json; d=json.load(open('$OUT/cpu/cpu-1024.json')); print(d['device'], d['timings'])")"
 }
 
+# Two GPUs (an nvidia-h200-x2 machine): figures and choice with GPU 0 held, the warning and
+# the refusal sum, a two-model batch on one worker per GPU against one GPU.
+twogpu() {
+    ensure
+    mkdir -p "$OUT/cuda"
+    SDFARM_BACKEND=cuda SDFARM_RUNTIME_DIR="$CUDA_DIR" timeout 420 $PY bench/two_gpu.py \
+        --model "$MODEL" --taesd-model "$TAESD" --jobs 120 --out "$OUT/cuda/two-gpu.json"
+    nvidia-smi --query-gpu=index,name,memory.used,memory.total --format=csv || true
+}
+
 case "$PHASE" in
     setup | bench1 | bench2) ;;
-    cuda_recheck | cudafarm | overhead | speedbatch | gputests | cpu1024) ;;
-    *) echo "usage: bash bench/gpu_run.sh setup|bench1|bench2|cuda_recheck|cudafarm|overhead|speedbatch|gputests|cpu1024" >&2; exit 2 ;;
+    cuda_recheck | cudafarm | overhead | speedbatch | gputests | cpu1024 | twogpu) ;;
+    *) echo "usage: bash bench/gpu_run.sh setup|bench1|bench2|cuda_recheck|cudafarm|overhead|speedbatch|gputests|cpu1024|twogpu" >&2; exit 2 ;;
 esac
 set -o pipefail
 mkdir -p "$OUT"
