@@ -280,7 +280,7 @@ twogpu() {
     ensure
     mkdir -p "$OUT/cuda"
     SDFARM_BACKEND=cuda SDFARM_RUNTIME_DIR="$CUDA_DIR" timeout 420 $PY bench/two_gpu.py \
-        --model "$MODEL" --taesd-model "$TAESD" --jobs 120 --out "$OUT/cuda/two-gpu.json"
+        --model "$MODEL" --taesd-model "$TAESD" --jobs ${TWO_GPU_JOBS:-480} --out "$OUT/cuda/two-gpu.json"
     nvidia-smi --query-gpu=index,name,memory.used,memory.total --format=csv || true
 }
 
