@@ -228,9 +228,7 @@ def make_celery_app(redis_url: str) -> Any:
 def celery_outbox(client: Any, redis_url: str) -> CeleryOutbox:
     """The outbox of the worker's own Celery app on the farm's broker, its template captured
     now, so a Celery it cannot read stops the scheduler when it takes the lead."""
-    outbox = CeleryOutbox(client, make_celery_app(redis_url))
-    outbox.message("probe", "probe", "probe/probe")
-    return outbox
+    return CeleryOutbox(client, make_celery_app(redis_url)).prepare()
 
 
 def poison_error(job_id: str, lost_on: str, records: str | None, limit: int = 20) -> str:

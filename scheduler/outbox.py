@@ -50,12 +50,19 @@ class CeleryOutbox:
             raise TemplateError(f"the probe message on {probe} did not arrive")
         return check_template(json.loads(raw))
 
-    def message(self, job_id: str, dispatch: str, device: str) -> tuple[str, str]:
-        """The Redis list to LPUSH and the message that runs `job_id` under `dispatch`."""
+    def prepare(self) -> CeleryOutbox:
+        """Capture the template now (once): a Celery it cannot read fails here, not at the
+        first job."""
         if self._template is None:
             self._template = self.capture()
+        return self
+
+    def message(self, job_id: str, dispatch: str, device: str) -> tuple[str, str]:
+        """The Redis list to LPUSH and the message that runs `job_id` under `dispatch`."""
+        template = self.prepare()._template
+        assert template is not None
         queue = protocol.queue_name(device)
-        return queue, render(self._template, job_id, dispatch, queue)
+        return queue, render(template, job_id, dispatch, queue)
 
 
 def check_template(doc: dict[str, Any]) -> dict[str, Any]:
