@@ -3,8 +3,8 @@
 kombu's Redis transport stores a message as one JSON document LPUSHed on a list named after
 the queue (priority 0 is the plain name). Calling `send_task` per job cost the scheduler about
 1.3 ms of Python on the path of every job, and it was a second write after the placement: a
-scheduler that died between the two left a placed job without a message (see
-`Dispatcher.takeover`). Instead the outbox captures, once, the exact document Celery itself
+scheduler that died between the two left a placed job without a message, which the next
+leader had to find and re-queue. Instead the outbox captures, once, the exact document Celery itself
 publishes for TASK_NAME (sent to a private probe queue and popped back at once) and fills in
 per job only what differs: the arguments in the body, the task id and the delivery tag and
 routing key. The placement script LPUSHes the result in the same atomic step that records the

@@ -16,8 +16,8 @@ from sdfarm.worker.protocol import TASK_NAME
 
 def make_app(redis_url: str) -> Celery:
     """A Celery app on `redis_url` with the generate task registered as TASK_NAME. The
-    scheduler uses the same app to send (`app.send_task(TASK_NAME, args=[job_id, dispatch],
-    queue=queue_name(device_key))`)."""
+    scheduler captures this app's message once (sdfarm.scheduler.outbox) and pushes a copy
+    per job to queue_name(device_key) from its placement script."""
     app = Celery("sdfarm", broker=redis_url, set_as_current=False)
     app.conf.update(
         broker_connection_retry_on_startup=True,
