@@ -157,6 +157,12 @@ ensure() {
     CLI=$(cuda_field cli)
 }
 
+# on_cuda SECONDS ARGS...: python ARGS on the CUDA runtime `ensure` found, killed after SECONDS.
+on_cuda() {
+    local limit=$1; shift
+    SDFARM_BACKEND=cuda SDFARM_RUNTIME_DIR="$CUDA_DIR" timeout "$limit" $PY "$@"
+}
+
 # suite BUDGET STAGE ARGS...: one suite command with --deadline min(BUDGET, what is left of
 # the phase - 30 s), stopped (TERM, then KILL) if it would outlive the phase.
 suite() {
@@ -232,7 +238,7 @@ overhead() {
     mkdir -p "$OUT/cuda"
     for size in 256 512; do
         say "farm_overhead.py, the full-size model at ${size}x${size} on CUDA0"
-        SDFARM_BACKEND=cuda SDFARM_RUNTIME_DIR="$CUDA_DIR" timeout 150 $PY -X faulthandler \
+        on_cuda 150 -X faulthandler \
             bench/farm_overhead.py --model "$MODEL" --size $size --jobs 100 \
             --out "$OUT/cuda/farm-overhead-$size.json"
     done
@@ -246,7 +252,7 @@ speedbatch() {
     suite 220 speed --out "$OUT/cuda" --backend cuda --runtime-dir "$CUDA_DIR" --cli "$CLI" \
         --model "$MODEL" --sizes 512,1024 --steps 1 --runs 3 --speed-batch 6
     say "farm_overhead.py, the full-size model at 256x256 on CUDA0"
-    SDFARM_BACKEND=cuda SDFARM_RUNTIME_DIR="$CUDA_DIR" timeout 150 $PY -X faulthandler \
+    on_cuda 150 -X faulthandler \
         bench/farm_overhead.py --model "$MODEL" --size 256 --jobs 100 \
         --out "$OUT/cuda/farm-overhead-256.json"
 }
@@ -257,8 +263,8 @@ gputests() {
     ensure
     for m in "" "$MODEL"; do
         say "pytest tests/gpu (model: ${m:-tiny})"
-        SDFARM_BACKEND=cuda SDFARM_RUNTIME_DIR="$CUDA_DIR" SDFARM_GPU_TEST_MODEL="$m" \
-            timeout 200 $PY -m pytest tests/gpu -v -rs -p no:cacheprovider 2>&1 | tail -25
+        SDFARM_GPU_TEST_MODEL="$m" on_cuda 200 -m pytest tests/gpu -v -rs -p no:cacheprovider \
+            2>&1 | tail -25
     done
 }
 
@@ -267,9 +273,8 @@ gputests() {
 cpu1024() {
     ensure
     mkdir -p "$OUT/cpu"
-    CUDA_VISIBLE_DEVICES="" SDFARM_BACKEND=cuda SDFARM_RUNTIME_DIR="$CUDA_DIR" timeout 400 \
-        $PY -m sdfarm.scheduler.cli generate --in-process --model "$MODEL" --device CPU \
-        --width 1024 --height 1024 --steps 1 --seed 42 "a lighthouse on a cliff at dusk" \
+    CUDA_VISIBLE_DEVICES="" on_cuda 400 -m sdfarm.scheduler.cli generate --in-process \
+        --model "$MODEL" --device CPU --width 1024 --height 1024 --steps 1 --seed 42 "a lighthouse on a cliff at dusk" \
         -o /tmp/cpu1024.png --json > "$OUT/cpu/cpu-1024.json"
     say "exit $?: $($PY -c "import json; d=json.load(open('$OUT/cpu/cpu-1024.json')); print(d['device'], d['timings'])")"
 }
@@ -279,7 +284,7 @@ cpu1024() {
 twogpu() {
     ensure
     mkdir -p "$OUT/cuda"
-    SDFARM_BACKEND=cuda SDFARM_RUNTIME_DIR="$CUDA_DIR" timeout 420 $PY bench/two_gpu.py \
+    on_cuda 420 bench/two_gpu.py \
         --model "$MODEL" --taesd-model "$TAESD" --jobs ${TWO_GPU_JOBS:-480} --out "$OUT/cuda/two-gpu.json"
     nvidia-smi --query-gpu=index,name,memory.used,memory.total --format=csv || true
 }
