@@ -12,7 +12,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from sdfarm.native.errors import ModelLoadError
-from sdfarm.native.models import Model
+from sdfarm.native.model import Model
 
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 

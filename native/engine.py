@@ -34,20 +34,11 @@ from sdfarm.native.errors import (
     ModelTooLargeError,
 )
 from sdfarm.native.fitplan import FitPlan, plan_fit
-from sdfarm.native.models import Model
+from sdfarm.native.model import Model
 from sdfarm.native.params import GenerationParams, validate
 from sdfarm.native.ring import LogRing
+from sdfarm.native.roles import ROLE_PARAMS
 
-ROLE_PARAMS = {
-    "checkpoint": "model_path",
-    "diffusion_model": "diffusion_model_path",
-    "clip_l": "clip_l_path",
-    "clip_g": "clip_g_path",
-    "t5xxl": "t5xxl_path",
-    "llm": "llm_path",
-    "vae": "vae_path",
-    "taesd": "taesd_path",
-}
 WARMUP = GenerationParams(prompt="warm-up", width=64, height=64, steps=1, seed=1)
 
 

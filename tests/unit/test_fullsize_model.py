@@ -13,14 +13,9 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from sdfarm.native.models import (
-    FileHeader,
-    Model,
-    TensorInfo,
-    detect_role,
-    guess_architecture,
-    read_header,
-)
+from sdfarm.native.headers import FileHeader, TensorInfo, read_header
+from sdfarm.native.model import Model
+from sdfarm.native.roles import detect_role, guess_architecture
 
 SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "fullsize_model.py"
 # The file measured in ../shared/facts/runtime.md ("A full-size model on the CPU").

@@ -11,17 +11,14 @@ import pytest
 from safetensors.numpy import save_file
 
 from sdfarm.native.errors import ModelLoadError
-from sdfarm.native.models import (
+from sdfarm.native.headers import FileHeader, TensorInfo, read_header, validate_header
+from sdfarm.native.model import Model
+from sdfarm.native.roles import (
     ROLE_PARAMS,
-    FileHeader,
-    Model,
-    TensorInfo,
     detect_role,
     detect_role_with_evidence,
     guess_architecture,
     native_size_for,
-    read_header,
-    validate_header,
 )
 
 

@@ -12,7 +12,9 @@ import pytest
 from gguf import GGMLQuantizationType, GGUFReader
 from safetensors.numpy import load_file
 
-from sdfarm.native.models import Model, detect_role, validate_header
+from sdfarm.native.headers import validate_header
+from sdfarm.native.model import Model
+from sdfarm.native.roles import detect_role
 from sdfarm.native.testmodel import PARTS, TENSORS_JSON, init_weight, make_test_model
 
 SHARED_JSON = Path(__file__).resolve().parents[3] / "shared" / "data" / "ovis-tiny-tensors.json"
