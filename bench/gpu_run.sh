@@ -168,12 +168,12 @@ on_cuda() {
 suite() {
     local budget=$1; shift
     local left=$(( PHASE_BUDGET - $(now) ))
-    if [ "$left" -lt 45 ]; then say "SKIPPED (phase budget spent): gpu_suite.py $*"; return; fi
+    if [ "$left" -lt 45 ]; then say "SKIPPED (phase budget spent): gpu_suite $*"; return; fi
     local dl=$(( budget < left - 30 ? budget : left - 30 ))
-    say "gpu_suite.py $* --deadline $dl"
-    timeout -k 10 $(( left - 5 )) $PY bench/gpu_suite.py "$@" --deadline "$dl"
+    say "gpu_suite $* --deadline $dl"
+    timeout -k 10 $(( left - 5 )) $PY bench/gpu_suite "$@" --deadline "$dl"
     local rc=$?
-    [ $rc -eq 0 ] || say "gpu_suite.py $1 exited $rc"
+    [ $rc -eq 0 ] || say "gpu_suite $1 exited $rc"
 }
 
 setup() {
@@ -273,7 +273,7 @@ gputests() {
 cpu1024() {
     ensure
     mkdir -p "$OUT/cpu"
-    CUDA_VISIBLE_DEVICES="" on_cuda 400 -m sdfarm.scheduler.cli generate --in-process \
+    CUDA_VISIBLE_DEVICES="" on_cuda 400 -m sdfarm.cli.main generate --in-process \
         --model "$MODEL" --device CPU --width 1024 --height 1024 --steps 1 --seed 42 "a lighthouse on a cliff at dusk" \
         -o /tmp/cpu1024.png --json > "$OUT/cpu/cpu-1024.json"
     say "exit $?: $($PY -c "import json; d=json.load(open('$OUT/cpu/cpu-1024.json')); print(d['device'], d['timings'])")"

@@ -1,27 +1,18 @@
-"""bench/gpu_suite.py, the pure parts: sd-cli log parsing, medians and ratios, the farm's
-efficiency arithmetic, the deadline, the case lists and the sd-cli command line."""
+"""bench/gpu_suite (the package), the pure parts: sd-cli log parsing, medians and ratios, the
+farm's efficiency arithmetic, the deadline, the case lists and the sd-cli command line."""
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "gpu_suite.py"
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+if str(BENCH) not in sys.path:
+    sys.path.insert(0, str(BENCH))
 
-
-def _load():
-    spec = importlib.util.spec_from_file_location("gpu_suite", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["gpu_suite"] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-gs = _load()
+from gpu_suite import analysis, children, cli, harness, holder, stage_speed  # noqa: E402
 
 # Lines as sd-cli -v prints them (master-596), progress bar and all.
 SD_CLI_LOG = """\
@@ -39,26 +30,26 @@ memcpy: 0.00s, convert: 0.02s, copy_to_backend: 0.08s)
 
 
 def test_parse_generate_seconds_from_sd_cli_log():
-    assert gs.parse_generate_seconds(SD_CLI_LOG) == pytest.approx(0.29)
+    assert analysis.parse_generate_seconds(SD_CLI_LOG) == pytest.approx(0.29)
 
 
 def test_parse_generate_seconds_takes_the_last_and_handles_absence():
     text = "generate_image completed in 1.50s\n...\ngenerate_image completed in 12.07s\n"
-    assert gs.parse_generate_seconds(text) == pytest.approx(12.07)
-    assert gs.parse_generate_seconds("generate_image 512x512\nno timing here") is None
-    assert gs.parse_generate_seconds("") is None
+    assert analysis.parse_generate_seconds(text) == pytest.approx(12.07)
+    assert analysis.parse_generate_seconds("generate_image 512x512\nno timing here") is None
+    assert analysis.parse_generate_seconds("") is None
     # Not fooled by the video variant.
-    assert gs.parse_generate_seconds("generate_video completed in 3.00s") is None
+    assert analysis.parse_generate_seconds("generate_video completed in 3.00s") is None
 
 
 def test_parse_generate_seconds_from_our_records():
     # Our engine's records carry the runtime's message with a prefix.
     text = "stable_diffusion: generate_image completed in 0.31s"
-    assert gs.parse_generate_seconds(text) == pytest.approx(0.31)
+    assert analysis.parse_generate_seconds(text) == pytest.approx(0.31)
 
 
 def test_parse_phase_seconds():
-    phases = gs.parse_phase_seconds(SD_CLI_LOG)
+    phases = analysis.parse_phase_seconds(SD_CLI_LOG)
     assert phases["loading tensors"] == pytest.approx(0.42)
     assert phases["get_learned_condition"] == pytest.approx(0.02)
     assert phases["sampling"] == pytest.approx(0.11)
@@ -66,36 +57,36 @@ def test_parse_phase_seconds():
 
 
 def test_median_ignores_missing_values():
-    assert gs.median([0.3, None, 0.1, 0.2]) == pytest.approx(0.2)
-    assert gs.median([0.4, 0.2]) == pytest.approx(0.3)
-    assert gs.median([]) is None
-    assert gs.median([None]) is None
+    assert analysis.median([0.3, None, 0.1, 0.2]) == pytest.approx(0.2)
+    assert analysis.median([0.4, 0.2]) == pytest.approx(0.3)
+    assert analysis.median([]) is None
+    assert analysis.median([None]) is None
 
 
 def test_ratio_and_tolerance():
-    assert gs.ratio(0.306, 0.30) == pytest.approx(1.02)
-    assert gs.within(gs.ratio(0.306, 0.30), 0.02) is True
-    assert gs.within(gs.ratio(0.307, 0.30), 0.02) is False
-    assert gs.within(gs.ratio(0.25, 0.30), 0.02) is True  # faster is always fine
-    assert gs.ratio(None, 0.3) is None
-    assert gs.ratio(0.3, 0.0) is None
-    assert gs.within(None, 0.02) is None
+    assert analysis.ratio(0.306, 0.30) == pytest.approx(1.02)
+    assert analysis.within(analysis.ratio(0.306, 0.30), 0.02) is True
+    assert analysis.within(analysis.ratio(0.307, 0.30), 0.02) is False
+    assert analysis.within(analysis.ratio(0.25, 0.30), 0.02) is True  # faster is always fine
+    assert analysis.ratio(None, 0.3) is None
+    assert analysis.ratio(0.3, 0.0) is None
+    assert analysis.within(None, 0.02) is None
 
 
 def test_gpu_efficiency():
     # 200 jobs of 0.29 s on one worker in 60 s: 58 / 60.
-    assert gs.gpu_efficiency([0.29] * 200, 1, 60.0) == pytest.approx(58 / 60)
-    assert gs.gpu_efficiency([0.29] * 200, 2, 30.0) == pytest.approx(58 / 60)
-    assert gs.gpu_efficiency([1.0], 0, 10.0) is None
-    assert gs.gpu_efficiency([1.0], 1, 0.0) is None
+    assert analysis.gpu_efficiency([0.29] * 200, 1, 60.0) == pytest.approx(58 / 60)
+    assert analysis.gpu_efficiency([0.29] * 200, 2, 30.0) == pytest.approx(58 / 60)
+    assert analysis.gpu_efficiency([1.0], 0, 10.0) is None
+    assert analysis.gpu_efficiency([1.0], 1, 0.0) is None
 
 
 def test_per_second_and_added_per_job():
-    assert gs.per_second(8, 2.0) == pytest.approx(4.0)
-    assert gs.per_second(8, 0) is None
-    assert gs.per_second(8, None) is None
-    assert gs.added_per_job(62.0, 60.0, 200) == pytest.approx(0.01)
-    assert gs.added_per_job(62.0, 60.0, 0) is None
+    assert analysis.per_second(8, 2.0) == pytest.approx(4.0)
+    assert analysis.per_second(8, 0) is None
+    assert analysis.per_second(8, None) is None
+    assert analysis.added_per_job(62.0, 60.0, 200) == pytest.approx(0.01)
+    assert analysis.added_per_job(62.0, 60.0, 0) is None
 
 
 class Clock:
@@ -108,7 +99,7 @@ class Clock:
 
 def test_deadline_expires_and_caps_child_timeouts():
     clock = Clock()
-    d = gs.Deadline(100.0, clock=clock)
+    d = harness.Deadline(100.0, clock=clock)
     assert not d.expired()
     assert d.remaining() == pytest.approx(100.0)
     assert d.child_timeout(300.0, grace=45.0) == pytest.approx(145.0)
@@ -123,7 +114,7 @@ def test_deadline_expires_and_caps_child_timeouts():
 
 def test_no_deadline_never_expires():
     clock = Clock()
-    d = gs.Deadline(None, clock=clock)
+    d = harness.Deadline(None, clock=clock)
     clock.t += 1e9
     assert not d.expired()
     assert d.remaining() is None
@@ -132,9 +123,9 @@ def test_no_deadline_never_expires():
 
 def test_stage_skips_cases_past_the_deadline(tmp_path):
     clock = Clock()
-    d = gs.Deadline(10.0, clock=clock)
-    args = gs.build_parser().parse_args(["speed", "--out", str(tmp_path), "--backend", "cpu"])
-    st = gs.Stage("speed", args, d, [gs.Runtime.make("cpu", None)])
+    d = harness.Deadline(10.0, clock=clock)
+    args = cli.build_parser().parse_args(["speed", "--out", str(tmp_path), "--backend", "cpu"])
+    st = harness.Stage("speed", args, d, [harness.Runtime.make("cpu", None)])
     ran = []
     st.case("first", lambda: ran.append(1) or {"x": 1})
     st.case("broken", lambda: 1 / 0)
@@ -150,18 +141,18 @@ def test_stage_skips_cases_past_the_deadline(tmp_path):
 
 
 def test_sizes_steps_and_cases():
-    assert gs.parse_sizes("512,1024") == [(512, 512), (1024, 1024)]
-    assert gs.parse_sizes("512x768, 64") == [(512, 768), (64, 64)]
+    assert analysis.parse_sizes("512,1024") == [(512, 512), (1024, 1024)]
+    assert analysis.parse_sizes("512x768, 64") == [(512, 768), (64, 64)]
     with pytest.raises(ValueError):
-        gs.parse_sizes(" , ")
-    cases = gs.speed_cases(gs.parse_sizes("512,1024"), [1, 4])
+        analysis.parse_sizes(" , ")
+    cases = analysis.speed_cases(analysis.parse_sizes("512,1024"), [1, 4])
     assert cases == [(512, 512, 1), (1024, 1024, 1), (512, 512, 4)]
-    assert gs.speed_cases([(64, 64)], [1]) == [(64, 64, 1)]
+    assert analysis.speed_cases([(64, 64)], [1]) == [(64, 64, 1)]
 
 
 def test_sd_cli_command_mirrors_the_engine():
     files = {"checkpoint": "/m/model.safetensors"}
-    cmd = gs.sd_cli_command("/b/sd-cli", files, 512, 512, 4, 42, "a cat", 16, "/o/x.png")
+    cmd = stage_speed.sd_cli_command("/b/sd-cli", files, 512, 512, 4, 42, "a cat", 16, "/o/x.png")
     assert cmd[:3] == ["/b/sd-cli", "--model", "/m/model.safetensors"]
     joined = " ".join(cmd)
     for part in (
@@ -179,7 +170,7 @@ def test_sd_cli_command_mirrors_the_engine():
     assert cmd[-1] == "-v"
     assert cmd[cmd.index("-p") + 1] == "a cat"
     taesd = {"diffusion_model": "/m/d", "llm": "/m/l", "taesd": "/m/t"}
-    cmd = gs.sd_cli_command("sd-cli", taesd, 64, 64, 1, 1, "p", 2, "o.png", batch_count=8)
+    cmd = stage_speed.sd_cli_command("sd-cli", taesd, 64, 64, 1, 1, "p", 2, "o.png", batch_count=8)
     assert "--vae-conv-direct" not in cmd
     assert cmd[1:7] == ["--diffusion-model", "/m/d", "--llm", "/m/l", "--taesd", "/m/t"]
     assert cmd[cmd.index("--batch-count") + 1] == "8"
@@ -187,10 +178,10 @@ def test_sd_cli_command_mirrors_the_engine():
 
 def test_huge_apparent_bytes_exceeds_gpu_plus_memavailable():
     gib = 1 << 30
-    n = gs.huge_apparent_bytes([140 * gib], 120 * gib)
+    n = analysis.huge_apparent_bytes([140 * gib], 120 * gib)
     assert n * 1.25 > 260 * gib
     assert n % 256 == 0
-    assert gs.huge_apparent_bytes([], None) >= 200 * 10**9
+    assert analysis.huge_apparent_bytes([], None) >= 200 * 10**9
 
 
 def test_above_estimate():
@@ -199,33 +190,37 @@ def test_above_estimate():
         {"case": "b", "estimate": 100, "peak_rss": None, "gpu_peak": 100},
         {"case": "c", "estimate": None, "peak_rss": 500},
     ]
-    over = gs.above_estimate(rows, ("peak_rss", "gpu_peak"))
+    over = analysis.above_estimate(rows, ("peak_rss", "gpu_peak"))
     assert over == [
         {"case": "a", "measure": "gpu_peak", "value": 120, "estimate": 100, "ratio": 1.2}
     ]
 
 
 def test_holder_split():
-    assert gs.holder_split("held 1024 512 4096") == {"held": 1024, "free_after": 512, "total": 4096}
-    assert gs.holder_split("warming up") is None
+    assert holder.holder_split("held 1024 512 4096") == {
+        "held": 1024,
+        "free_after": 512,
+        "total": 4096,
+    }
+    assert holder.holder_split("warming up") is None
 
 
 def test_runtime_env_for_cpu_hides_gpus_of_a_gpu_build(tmp_path):
     (tmp_path / "build.json").write_text('{"backend": "cuda"}')
-    rt = gs.Runtime.make("cpu", str(tmp_path))
+    rt = harness.Runtime.make("cpu", str(tmp_path))
     env = rt.env({"PATH": "/bin"})
     assert env["SDFARM_BACKEND"] == "cuda"
     assert env["SDFARM_RUNTIME_DIR"] == str(tmp_path.resolve())
     assert env["CUDA_VISIBLE_DEVICES"] == "" and env["GGML_VK_VISIBLE_DEVICES"] == ""
     assert rt.device == "cpu" and rt.worker_device == "CPU"
-    vk = gs.Runtime.make("vulkan", None).env({})
+    vk = harness.Runtime.make("vulkan", None).env({})
     assert vk["SDFARM_BACKEND"] == "vulkan" and "SDFARM_RUNTIME_DIR" not in vk
     assert "CUDA_VISIBLE_DEVICES" not in vk
-    assert gs.Runtime.make("cuda", None).worker_device == "CUDA0"
+    assert harness.Runtime.make("cuda", None).worker_device == "CUDA0"
 
 
 def test_merge_parts_keeps_what_a_crashed_child_reported():
-    m = gs.MARK
+    m = children.MARK
     lines = [
         "noise the runtime printed",
         m + '{"pid": 7, "load_s": 1.5, "capabilities": {"device": "CUDA0"}}',
@@ -233,11 +228,11 @@ def test_merge_parts_keeps_what_a_crashed_child_reported():
         "stable_diffusion: more noise",
         m + '{"gen": {"generate_s": 0.29}}',
     ]
-    doc = gs.merge_parts(lines)
+    doc = children.merge_parts(lines)
     assert doc["load_s"] == 1.5 and doc["capabilities"]["device"] == "CUDA0"
     assert [g["generate_s"] for g in doc["gens"]] == [0.3, 0.29]
     assert "disposed" not in doc
-    done = gs.merge_parts(
+    done = children.merge_parts(
         [
             *lines,
             m + '{"stage": "generations", "gens_wall_s": 0.6, "peak_rss": 9}',
@@ -245,15 +240,17 @@ def test_merge_parts_keeps_what_a_crashed_child_reported():
         ]
     )
     assert done["disposed"] is True and done["gens_wall_s"] == 0.6 and "stage" not in done
-    assert gs.merge_parts(["nothing reported"]) is None
+    assert children.merge_parts(["nothing reported"]) is None
 
 
 def test_child_status():
-    assert gs.child_status({"returncode": 0, "disposed": True}) == {
+    assert analysis.child_status({"returncode": 0, "disposed": True}) == {
         "returncode": 0,
         "disposed": True,
     }
-    crashed = gs.child_status({"returncode": -6, "stderr_tail": "corrupted double-linked list"})
+    crashed = analysis.child_status(
+        {"returncode": -6, "stderr_tail": "corrupted double-linked list"}
+    )
     assert crashed["crashed"] and "corrupted" in crashed["stderr_tail"]
 
 
@@ -282,7 +279,7 @@ def test_compare_with_smi():
             "driver": "x",
         }
     ]
-    out = gs.compare_with_smi(reports, smi)
+    out = analysis.compare_with_smi(reports, smi)
     assert out["vulkan"] == [
         {
             "name": "Vulkan0",
@@ -296,7 +293,7 @@ def test_compare_with_smi():
         }
     ]
     assert out["cuda"][0]["total_diff_mib"] == 143155 - 143771
-    assert gs.compare_with_smi(reports, "nvidia-smi not found") == {}
+    assert analysis.compare_with_smi(reports, "nvidia-smi not found") == {}
 
 
 def test_load_summary_checks_the_one_warning():
@@ -329,14 +326,16 @@ def test_load_summary_checks_the_one_warning():
         ],
         "gens": [{"generate_s": 1.2}],
     }
-    s = gs.load_summary(res, "vulkan")
+    s = analysis.load_summary(res, "vulkan")
     assert s["memory_check"] == "warn" and s["warn_records"] == 1
     assert s["warning_names_device"] and s["warning_names_estimate"] and s["warning_names_figure"]
     assert s["runtime_warn_records"] == 1 and s["returncode"] == 0
     # A warning that names other numbers is caught.
     res["load_records"][0]["message"] = "sdfarm: " + warning_message(estimate, dev, 42)
-    assert gs.load_summary(res, "vulkan")["warning_names_figure"] is False
-    refused = gs.load_summary({"returncode": 0, "error": {"type": "ModelTooLargeError"}}, "cuda")
+    assert analysis.load_summary(res, "vulkan")["warning_names_figure"] is False
+    refused = analysis.load_summary(
+        {"returncode": 0, "error": {"type": "ModelTooLargeError"}}, "cuda"
+    )
     assert refused["error"]["type"] == "ModelTooLargeError" and refused["warn_records"] == 0
 
 
@@ -346,11 +345,11 @@ def test_pixel_diff(tmp_path):
     a, b, c = tmp_path / "a.png", tmp_path / "b.png", tmp_path / "c.png"
     Image.new("RGB", (8, 8), (10, 20, 30)).save(a)
     Image.new("RGB", (8, 8), (10, 20, 30)).save(b)
-    assert gs.pixel_diff(a, b) == 0
+    assert stage_speed.pixel_diff(a, b) == 0
     img = Image.new("RGB", (8, 8), (10, 20, 30))
     img.putpixel((3, 3), (10, 27, 30))
     img.save(b)
-    assert gs.pixel_diff(a, b) == 7
+    assert stage_speed.pixel_diff(a, b) == 7
     Image.new("RGB", (4, 4)).save(c)
-    assert gs.pixel_diff(a, c) is None
-    assert gs.pixel_diff(a, tmp_path / "missing.png") is None
+    assert stage_speed.pixel_diff(a, c) is None
+    assert stage_speed.pixel_diff(a, tmp_path / "missing.png") is None
