@@ -30,7 +30,7 @@ from sdfarm.native.png import png_bytes
 def tiny_model(folder: Path) -> Path:
     """The tiny test model, written by a child process: numpy stays out of this one (on the
     H200 host, its numpy imported before a runtime load crashed new_sd_ctx: docs/gpu.md)."""
-    cmd = [sys.executable, "-m", "sdfarm.scheduler.cli", "make-test-model", str(folder), "--json"]
+    cmd = [sys.executable, "-m", "sdfarm.cli.main", "make-test-model", str(folder), "--json"]
     done = subprocess.run(cmd, capture_output=True, text=True, check=True)
     return Path(json.loads(done.stdout)["models"][0])
 
@@ -85,8 +85,8 @@ def celery_floor(redis_url: str, n: int) -> list[float]:
 
 
 def on_farm(models_dir: Path, model: str, jobs: int, size: int, steps: int) -> dict:
-    from sdfarm.scheduler.client import Farm
-    from sdfarm.scheduler.localfarm import LocalFarm
+    from sdfarm.client.farm import Farm
+    from sdfarm.localfarm.farm import LocalFarm
 
     common = {"width": size, "height": size, "steps": steps}
     with LocalFarm([models_dir], announce=False) as local, Farm(local.url) as farm:

@@ -58,9 +58,9 @@ def main() -> int:
 
     import openai
 
+    from sdfarm.client.farm import Farm
+    from sdfarm.localfarm.farm import LocalFarm
     from sdfarm.native.testmodel import make_test_model
-    from sdfarm.scheduler.client import Farm
-    from sdfarm.scheduler.localfarm import LocalFarm
 
     size = f"{args.size}x{args.size}"
     with tempfile.TemporaryDirectory() as tmp:
@@ -71,7 +71,7 @@ def main() -> int:
                 [
                     sys.executable,
                     "-m",
-                    "sdfarm.scheduler.cli",
+                    "sdfarm.cli.main",
                     "gateway",
                     "--port",
                     str(port),

@@ -25,7 +25,7 @@ KEPT = ("device", "warnings", "fit_plan", "timings", "exit", "stderr")
 
 
 def cli(*args: str, timeout: float = 300) -> tuple[int, str, str]:
-    cmd = [sys.executable, "-m", "sdfarm.scheduler.cli", *args]
+    cmd = [sys.executable, "-m", "sdfarm.cli.main", *args]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     return done.returncode, done.stdout, done.stderr
 
@@ -92,8 +92,8 @@ def refusal(figures: dict[str, Any]) -> dict[str, Any]:
 
 
 def farm_run(models: list[Path], devs: list[str], jobs: int) -> dict[str, Any]:
-    from sdfarm.scheduler.client import Farm
-    from sdfarm.scheduler.localfarm import LocalFarm
+    from sdfarm.client.farm import Farm
+    from sdfarm.localfarm.farm import LocalFarm
 
     common = {"width": 512, "height": 512, "steps": 1}
     names = [m.name for m in models]

@@ -33,6 +33,7 @@ from sdfarm.native.errors import (
     ModelLoadError,
     ModelTooLargeError,
 )
+from sdfarm.native.estimate import ModelFacts, model_facts, use_vae_conv_direct
 from sdfarm.native.fitplan import FitPlan, plan_fit
 from sdfarm.native.model import Model
 from sdfarm.native.params import GenerationParams, validate
@@ -135,6 +136,7 @@ class Engine:
         self._poisoned: str | None = None
         self._pending: list[logs.LogRecord] = []
         self.native_calls = 0  # generate/load calls into the runtime (tests assert on it)
+        self.last_call: dict[str, Any] = {}  # the last generation's parameters, read back
 
         if figures is None:
             from sdfarm.native.probe import read_host_figures
@@ -147,10 +149,8 @@ class Engine:
             planned = choose_compute_device(figs, pinned or device)
         except ValueError:
             planned = _fallback_device(figs)
-        self._decode_pp = decode_bytes_per_pixel(self.model.files, planned)
-        estimate = memory.estimate_bytes(
-            self.model.total_bytes, w, h, w * h, decode_per_pixel=self._decode_pp
-        )
+        self.facts: ModelFacts = model_facts(self.model, planned)
+        estimate = self.facts.resident()
         verdict = memory.check_memory(estimate, figs, device, pinned=pinned, enabled=check_memory)
         memory.raise_if_refused(verdict)
         self._verdict = verdict
@@ -267,6 +267,7 @@ class Engine:
             g.sample_params.scheduler = _enum_index(
                 lib.sd_scheduler_name, params.scheduler, lib.SCHEDULER_COUNT, ffi
             )
+        self.last_call = self._read_back(g)
         lib.sdf_progress_reset()
         done = threading.Event()
         watcher = None
@@ -302,6 +303,29 @@ class Engine:
             lib.free(out)
         return images
 
+    def _read_back(self, g: Any) -> dict[str, Any]:
+        """Every job parameter as the native call receives it, read back from its struct (a
+        test walks each parameter through every door to here)."""
+        ffi, lib = self._ffi, self._lib
+        sp = g.sample_params
+
+        def name(of: Callable[[int], Any], index: int, count: int) -> str:
+            return ffi.string(of(index)).decode() if 0 <= index < count else "default"
+
+        return {
+            "prompt": ffi.string(g.prompt).decode(),
+            "negative_prompt": ffi.string(g.negative_prompt).decode(),
+            "width": g.width,
+            "height": g.height,
+            "steps": sp.sample_steps,
+            "seed": g.seed,
+            "cfg_scale": sp.guidance.txt_cfg,
+            "sampler": name(lib.sd_sample_method_name, sp.sample_method, lib.SAMPLE_METHOD_COUNT),
+            "scheduler": name(lib.sd_scheduler_name, sp.scheduler, lib.SCHEDULER_COUNT),
+            "batch_count": g.batch_count,
+            "clip_skip": g.clip_skip,
+        }
+
     def _watch_progress(
         self, progress: Callable[[int, int, float], None], done: threading.Event
     ) -> None:
@@ -329,13 +353,15 @@ class Engine:
         *,
         progress: Callable[[int, int, float], None] | None = None,
         log: LogConfig | None = None,
+        estimate: int | None = None,
         **kwargs: Any,
     ) -> GenerationResult:
         """Generate `params` (or keyword arguments of GenerationParams). `log` overrides the
         engine's log settings for this call (a farm's jobs each choose their level and whether
-        prompts stay in records). Raises
-        InvalidParameterError before any native call, ModelTooLargeError when the requested
-        size grows the estimate beyond what refuses a load, GenerationError quoting the
+        prompts stay in records). `estimate` is the job's estimate as the scheduler placed it
+        (sdfarm.native.estimate); without it the engine makes it from its own facts. Raises
+        InvalidParameterError before any native call, ModelTooLargeError when the estimate
+        at the requested size exceeds what refuses a load, GenerationError quoting the
         runtime's error records."""
         if params is None:
             params = GenerationParams(**kwargs)
@@ -343,7 +369,7 @@ class Engine:
             raise TypeError("pass GenerationParams or keyword arguments, not both")
         self._check_usable()
         params = validate(params)
-        size_estimate = self.estimate_for(params.width, params.height)
+        size_estimate = estimate or self.estimate_for(params.width, params.height)
         limit = self._verdict.refuse_figure
         if self._verdict.action != "skip" and limit is not None and size_estimate > limit:
             raise ModelTooLargeError(
@@ -387,6 +413,7 @@ class Engine:
             "backend": self.capabilities.backend,
             "device": self.capabilities.device,
             "sd_version": self.capabilities.sd_version,
+            "seeds": [params.seed + i for i in range(len(images))],
             "estimate": size_estimate,
             "fit_plan": self.fit.as_dict(),
             "warnings": warnings,
@@ -395,10 +422,8 @@ class Engine:
         return GenerationResult(images, params, metadata, records)
 
     def estimate_for(self, width: int, height: int) -> int:
-        w, h = self.capabilities.native_size
-        return memory.estimate_bytes(
-            self.model.total_bytes, width, height, w * h, decode_per_pixel=self._decode_pp
-        )
+        """This engine's estimate of a width x height job (`ModelFacts.estimate`)."""
+        return self.facts.estimate(width, height)
 
     def drain_load_records(self) -> list[logs.LogRecord]:
         """Records of the load (and warm-up), once."""
@@ -451,28 +476,6 @@ class Engine:
         out = logs.visible(self._pending + raw, cfg.level, cfg.native)
         self._pending = []
         return out
-
-
-def use_vae_conv_direct(roles: Mapping[str, object], device: str) -> bool:
-    """Direct VAE convolution keeps the full VAE's decode inside the estimate on the CPU
-    (facts: 3.14 vs 4.06 GiB at 512x512) and costs nothing on Vulkan (0.30 s per 512x512
-    image on the H200), but ggml's CUDA direct convolution made the full-size model's
-    512x512 image take 2.02 s against 0.28 s without it (bench/results/gpu), so CUDA uses the
-    im2col path. TAESD's decode is small either way and runs 2x slower with it on the CPU.
-    `SDFARM_VAE_CONV_DIRECT=0|1` overrides, for measurements."""
-    forced = os.environ.get("SDFARM_VAE_CONV_DIRECT")
-    if forced in ("0", "1"):
-        return forced == "1"
-    return "taesd" not in roles and not device.startswith("CUDA")
-
-
-def decode_bytes_per_pixel(roles: Mapping[str, object], device: Device) -> int:
-    """Decode working memory per output pixel beyond the seed's estimate: the full VAE
-    without direct convolution on a GPU (IM2COL_DECODE_BYTES_PER_PIXEL), else 0. Workers put
-    it in their heartbeat so the scheduler's estimate matches the engine's own check."""
-    if device.type == "cpu" or "taesd" in roles or use_vae_conv_direct(roles, device.name):
-        return 0
-    return memory.IM2COL_DECODE_BYTES_PER_PIXEL
 
 
 def _fallback_device(figs: HostFigures) -> Device:

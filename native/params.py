@@ -1,19 +1,27 @@
-"""Generation parameters, validated before any native call.
+"""The one job schema: every generation parameter with its type, range, default and help text,
+and their validation before any native call.
+
+`GenerationParams` is the only list of a job's parameters. Every door derives from `PARAMS`:
+the CLI flags (sdfarm.cli.options), the batch file fields (sdfarm.client.batch), `Farm.submit`,
+the gateway's request models (sdfarm.gateway.schemas), the in-process path and the PNG
+metadata (png.py). Adding a parameter is one field here plus the engine's use of it.
 
 The runtime aborts the whole process on some inputs (width 0 or a negative height: SIGABRT;
 zero steps: SIGSEGV; steps -1: memory grows until the OOM killer; see the facts file), so
-every value is checked here against the range the runtime survives, and the error names the
-parameter and that range. The scheduler validates with the same code before queueing.
+every value is checked against the range the runtime survives, and the error names the
+parameter and that range. Clients, the gateway and the worker all validate with this code.
 """
 
 from __future__ import annotations
 
 import math
 import secrets
-from dataclasses import asdict, dataclass, field, replace
+from collections.abc import Mapping
+from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from typing import Any
 
 from sdfarm.native.errors import InvalidParameterError
+from sdfarm.native.logs import LEVELS
 
 # Names as master-596 spells them (sample_method_to_str / scheduler_to_str in
 # stable-diffusion.cpp); "default" lets the runtime pick the model's own.
@@ -53,6 +61,101 @@ MAX_STEPS = 200
 MAX_BATCH = 16
 MAX_PROMPT_CHARS = 20_000
 MAX_SEED = 2**63 - 1
+RANDOM_SEED = -1
+
+
+@dataclass(frozen=True)
+class Param:
+    """How one parameter is typed, bounded and explained. `kind` is text, int, float, bool
+    or choice; `lo`..`hi` bound numbers (`unit` names them in errors); `step` is a multiple
+    ints must be; `choices` lists a choice's values; `auto` is a value outside the range that
+    means "pick one" (seed -1)."""
+
+    name: str
+    kind: str
+    default: Any
+    help: str
+    lo: float | None = None
+    hi: float | None = None
+    step: int | None = None
+    unit: str = ""
+    choices: tuple[str, ...] = ()
+    auto: int | None = None
+    max_chars: int | None = None
+
+    @property
+    def required(self) -> bool:
+        return self.default is MISSING
+
+    @property
+    def python_type(self) -> type:
+        return {"text": str, "choice": str, "int": int, "float": float, "bool": bool}[self.kind]
+
+    @property
+    def range_text(self) -> str:
+        """The allowed values in words, for help texts."""
+        if self.kind == "choice":
+            return "one of " + ", ".join(self.choices)
+        if self.kind == "bool":
+            return "true or false"
+        if self.lo is None:
+            return f"at most {self.max_chars} characters" if self.max_chars else "text"
+        text = f"{_num(self.lo)}..{_num(self.hi)}{self.unit}"
+        if self.step:
+            text += f", a multiple of {self.step}"
+        if self.auto is not None:
+            text += f"; {self.auto} picks one"
+        return text
+
+    def check(self, value: Any) -> Any:
+        """`value` converted to this parameter's type and checked; InvalidParameterError
+        naming the parameter and its range otherwise."""
+        if self.kind == "text":
+            return _text(self.name, value, self.max_chars)
+        if self.kind == "bool":
+            if not isinstance(value, bool):
+                raise InvalidParameterError(self.name, f"must be true or false, got {value!r}")
+            return value
+        if self.kind == "choice":
+            if not isinstance(value, str) or value not in self.choices:
+                raise InvalidParameterError(
+                    self.name,
+                    f"unknown {self.name} {value!r}; choose one of " + ", ".join(self.choices),
+                )
+            return value
+        if self.kind == "float":
+            number = _float(self.name, value)
+            if not math.isfinite(number) or not self.lo <= number <= self.hi:  # type: ignore[operator]
+                raise InvalidParameterError(self.name, f"{number} is outside {self.range_text}")
+            return number
+        number = _int(self.name, value)
+        if self.auto is not None and number == self.auto:
+            return number
+        if not self.lo <= number <= self.hi:  # type: ignore[operator]
+            hint = f" (or {self.auto} for a random {self.name})" if self.auto is not None else ""
+            raise InvalidParameterError(
+                self.name, f"{number} is outside {_num(self.lo)}..{_num(self.hi)}{self.unit}{hint}"
+            )
+        if self.step and number % self.step:
+            raise InvalidParameterError(
+                self.name,
+                f"{number} is not a multiple of {self.step} (the runtime works in "
+                f"{self.step}-pixel latent cells); use {number - number % self.step} or "
+                f"{number + self.step - number % self.step}",
+            )
+        return number
+
+
+def _num(x: float | None) -> str:
+    return f"{x:g}" if isinstance(x, float) else str(x)
+
+
+def param(kind: str, default: Any, help: str, **rules: Any) -> Any:  # noqa: A002
+    """A GenerationParams field carrying its Param (the name is filled in from the field)."""
+    return field(default=default, metadata={"param": {"kind": kind, "help": help, **rules}})
+
+
+_SIZE = {"lo": MIN_SIZE, "hi": MAX_SIZE, "step": SIZE_STEP, "unit": " pixels"}
 
 
 @dataclass(frozen=True)
@@ -60,23 +163,57 @@ class GenerationParams:
     """One image request as the engine runs it. `seed=-1` picks a random seed, which the
     result reports, so every image can be made again."""
 
-    prompt: str
-    negative_prompt: str = ""
-    width: int = 256
-    height: int = 256
-    steps: int = 4
-    seed: int = -1
-    cfg_scale: float = 1.0
-    sampler: str = "default"
-    scheduler: str = "default"
-    batch_count: int = 1
-    clip_skip: int = -1
-    extra: dict[str, Any] = field(default_factory=dict)
+    prompt: str = param("text", MISSING, "what to draw", max_chars=MAX_PROMPT_CHARS)
+    negative_prompt: str = param(
+        "text", "", "what to keep out of the image", max_chars=MAX_PROMPT_CHARS
+    )
+    width: int = param("int", 256, "image width", **_SIZE)
+    height: int = param("int", 256, "image height", **_SIZE)
+    steps: int = param("int", 4, "sampling steps", lo=1, hi=MAX_STEPS)
+    seed: int = param("int", RANDOM_SEED, "random seed", lo=0, hi=MAX_SEED, auto=RANDOM_SEED)
+    cfg_scale: float = param("float", 1.0, "classifier-free guidance scale", lo=0.0, hi=50.0)
+    sampler: str = param("choice", "default", "sampling method", choices=("default", *SAMPLERS))
+    scheduler: str = param(
+        "choice", "default", "noise schedule of the sampler", choices=("default", *SCHEDULERS)
+    )
+    batch_count: int = param(
+        "int", 1, "images of one job (seeds seed, seed+1, ...)", lo=1, hi=MAX_BATCH
+    )
+    clip_skip: int = param("int", -1, "CLIP layers to skip (-1: the model's own)", lo=-1, hi=12)
 
     def as_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        d.pop("extra")
-        return d
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class JobOptions:
+    """How the farm treats a job, beside what it draws: its place in the queue, who fair
+    share counts it for, and the runtime's log records it keeps."""
+
+    priority: int = param("int", 5, "placement order: 0 (interactive, first) .. 9 (batch)",
+                          lo=0, hi=9)  # fmt: skip
+    submitter: str = param(
+        "text", "", "the name fair share counts the job for (default: the client's)",
+        max_chars=200,
+    )  # fmt: skip
+    log_level: str = param(
+        "choice", "none", "the runtime's log records kept with the result", choices=tuple(LEVELS)
+    )
+    log_prompts: bool = param(
+        "bool", False, "keep prompt text in log records (redacted by default)"
+    )
+
+
+def _params_of(cls: type) -> tuple[Param, ...]:
+    return tuple(Param(name=f.name, default=f.default, **f.metadata["param"]) for f in fields(cls))
+
+
+PARAMS: tuple[Param, ...] = _params_of(GenerationParams)
+"""Every generation parameter of a job, in order: what each door derives its fields from."""
+OPTIONS: tuple[Param, ...] = _params_of(JobOptions)
+"""Every option of a job (JobOptions), for the doors that take them."""
+BY_NAME: dict[str, Param] = {p.name: p for p in PARAMS}
+NAMES: tuple[str, ...] = tuple(BY_NAME)
 
 
 def _int(name: str, value: Any) -> int:
@@ -89,75 +226,52 @@ def _int(name: str, value: Any) -> int:
     return value
 
 
-def _in_range(name: str, value: int, lo: int, hi: int, hint: str = "") -> int:
-    if not lo <= value <= hi:
-        raise InvalidParameterError(name, f"{value} is outside {lo}..{hi}{hint}")
-    return value
+def _float(name: str, value: Any) -> float:
+    if isinstance(value, bool):
+        raise InvalidParameterError(name, f"must be a number, got {value!r}")
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise InvalidParameterError(name, f"must be a number, got {value!r}") from None
 
 
-def _text(name: str, value: Any) -> str:
+def _text(name: str, value: Any, max_chars: int | None) -> str:
     if not isinstance(value, str):
         raise InvalidParameterError(name, f"must be text, got {type(value).__name__}")
     if "\x00" in value:
         raise InvalidParameterError(name, "contains a NUL character")
-    if len(value) > MAX_PROMPT_CHARS:
-        raise InvalidParameterError(name, f"is {len(value)} characters, at most {MAX_PROMPT_CHARS}")
+    if max_chars is not None and len(value) > max_chars:
+        raise InvalidParameterError(name, f"is {len(value)} characters, at most {max_chars}")
     return value
 
 
+def from_mapping(values: Mapping[str, Any]) -> GenerationParams:
+    """GenerationParams from a mapping of parameter names (a JSON body, a batch line, keyword
+    arguments); an unknown name is an InvalidParameterError naming it and the known ones.
+    Not validated yet: pass the result to `validate`."""
+    unknown = sorted(set(values) - set(NAMES))
+    if unknown:
+        raise InvalidParameterError(
+            unknown[0], f"unknown parameter; the parameters are {', '.join(NAMES)}"
+        )
+    if "prompt" not in values:
+        raise InvalidParameterError("prompt", "missing")
+    return GenerationParams(**values)
+
+
 def validate(params: GenerationParams) -> GenerationParams:
-    """Return a checked copy (seed resolved) or raise InvalidParameterError naming the first
-    bad parameter and its allowed range."""
-    prompt = _text("prompt", params.prompt)
-    negative = _text("negative_prompt", params.negative_prompt)
-    sizes = {}
-    for name in ("width", "height"):
-        v = _in_range(name, _int(name, getattr(params, name)), MIN_SIZE, MAX_SIZE, " pixels")
-        if v % SIZE_STEP:
-            raise InvalidParameterError(
-                name,
-                f"{v} is not a multiple of {SIZE_STEP} (the runtime works in 8-pixel "
-                f"latent cells); use {v - v % SIZE_STEP} or {v + SIZE_STEP - v % SIZE_STEP}",
-            )
-        sizes[name] = v
-    if sizes["width"] * sizes["height"] > MAX_PIXELS:
+    """Return a checked copy (types converted, seed resolved) or raise InvalidParameterError
+    naming the first bad parameter and its allowed range."""
+    checked = {p.name: p.check(getattr(params, p.name)) for p in PARAMS}
+    if checked["width"] * checked["height"] > MAX_PIXELS:
         raise InvalidParameterError(
-            "width x height", f"{sizes['width']}x{sizes['height']} exceeds {MAX_PIXELS} pixels"
+            "width x height", f"{checked['width']}x{checked['height']} exceeds {MAX_PIXELS} pixels"
         )
-    steps = _in_range("steps", _int("steps", params.steps), 1, MAX_STEPS)
-    batch = _in_range("batch_count", _int("batch_count", params.batch_count), 1, MAX_BATCH)
-    clip_skip = _in_range("clip_skip", _int("clip_skip", params.clip_skip), -1, 12)
-    seed = _int("seed", params.seed)
-    if seed == -1:
-        seed = secrets.randbelow(2**31)
-    _in_range("seed", seed, 0, MAX_SEED, " (or -1 for a random seed)")
-    try:
-        cfg = float(params.cfg_scale)
-    except (TypeError, ValueError):
-        raise InvalidParameterError(
-            "cfg_scale", f"must be a number, got {params.cfg_scale!r}"
-        ) from None
-    if not math.isfinite(cfg) or not 0.0 <= cfg <= 50.0:
-        raise InvalidParameterError("cfg_scale", f"{cfg} is outside 0..50")
-    if params.sampler != "default" and params.sampler not in SAMPLERS:
-        raise InvalidParameterError(
-            "sampler",
-            f"unknown sampler {params.sampler!r}; choose one of default, " + ", ".join(SAMPLERS),
-        )
-    if params.scheduler != "default" and params.scheduler not in SCHEDULERS:
-        raise InvalidParameterError(
-            "scheduler",
-            f"unknown scheduler {params.scheduler!r}; choose one of default, "
-            + ", ".join(SCHEDULERS),
-        )
-    return replace(
-        params,
-        prompt=prompt,
-        negative_prompt=negative,
-        steps=steps,
-        seed=seed,
-        cfg_scale=cfg,
-        batch_count=batch,
-        clip_skip=clip_skip,
-        **sizes,
-    )
+    if checked["seed"] == RANDOM_SEED:
+        checked["seed"] = secrets.randbelow(2**31)
+    return replace(params, **checked)
+
+
+def check_options(options: JobOptions) -> JobOptions:
+    """A checked copy of `options`, or InvalidParameterError naming the bad option."""
+    return replace(options, **{p.name: p.check(getattr(options, p.name)) for p in OPTIONS})

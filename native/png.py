@@ -13,20 +13,11 @@ from typing import Any
 
 from PIL import Image, PngImagePlugin
 
-PARAM_KEYS = (
-    "prompt",
-    "negative_prompt",
-    "width",
-    "height",
-    "steps",
-    "seed",
-    "cfg_scale",
-    "sampler",
-    "scheduler",
-    "clip_skip",
-    "model",
-    "sd_version",
-)
+from sdfarm.native.params import NAMES
+
+PARAM_KEYS = (*NAMES, "model", "sd_version")
+"""What the chunk records: every job parameter (sdfarm.native.params), the model and the
+runtime version."""
 
 
 def png_bytes(image: Image.Image, params: Mapping[str, Any], compress_level: int = 1) -> bytes:

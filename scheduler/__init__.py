@@ -1,1 +1,1 @@
-"""sdfarm.scheduler: registry, placement, dispatch, the client (`Farm`) and the `sdfarm` CLI."""
+"""sdfarm.scheduler: the scheduler service: registry, placement, fairness, dispatch, leader."""

@@ -1,154 +1,40 @@
 """The leader's loop: place pending jobs on devices and recover jobs from lost workers.
 
-Flows 2 (place) and 5 (recover) of `sdfarm.worker.protocol`. One `cycle()` reads the farm
+The place and requeue transitions of `sdfarm.store`. One `cycle()` reads the farm
 (`Registry.snapshot`), re-queues what lost workers held, then walks the pending jobs in
 fair-share order and sends each one that a device can take now. Late binding: a device gets at
 most `backlog` jobs beyond nothing (the running one included), so a batch is spread as devices
 free up instead of being dealt out at submit time.
 
-Every write is a Lua script that checks the leader token first (a fence: a scheduler whose
-lease lapsed cannot write even if it has not noticed yet) and the job's state and dispatch id
-(a job changes hands only from the state the scheduler saw, so a worker's claim or finish that
-lands meanwhile always wins). The placement script also pushes the job's Celery message
-(`sdfarm.scheduler.outbox`), so a job is recorded as placed and sent in one atomic step.
+Every write is a store transition fenced on the leader token (a scheduler whose lease lapsed
+cannot write even if it has not noticed yet) and on the job's state and dispatch id (a job
+changes hands only from the state the scheduler saw, so a worker's claim or finish that lands
+meanwhile always wins). Placing also pushes the job's Celery message
+(`sdfarm.store.transport.CeleryOutbox`), so a job is recorded as placed and sent in one
+atomic step.
 """
 
 from __future__ import annotations
 
 import json
 import time
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 from sdfarm.scheduler import fairness, placement
-from sdfarm.scheduler.outbox import CeleryOutbox
 from sdfarm.scheduler.registry import (
     DEFAULT_BACKLOG,
     DEFAULT_QUEUE_LIMIT,
-    PENDING_JOB_FIELDS,
     Registry,
     Snapshot,
     account,
-    estimate_for,
 )
-from sdfarm.worker import protocol
+from sdfarm.store import NOT_LEADER, Store, keys
+from sdfarm.store.records import decode, new_dispatch_id
 
 MAX_ATTEMPTS = 2
 """A job whose worker died under it this many times is failed as poison (SPEC, worker)."""
-
-# Shared Lua prelude: fence on the leader token, the Redis clock, capped events, final state.
-_PRELUDE = """
-local function fenced(leader, token)
-  return redis.call('GET', leader) ~= token
-end
-local function now()
-  local t = redis.call('TIME')
-  return t[1] .. '.' .. string.format('%06d', tonumber(t[2]))
-end
-local function log(events, ev, cap)
-  redis.call('RPUSH', events, ev)
-  redis.call('LTRIM', events, -tonumber(cap), -1)
-end
-local function uncount(count, n)
-  if redis.call('DECRBY', count, n) < 0 then redis.call('SET', count, 0) end
-end
-local function finish(job, events, done, state, ev, cap, ttl)
-  redis.call('HSET', job, 'state', state, 'ended', now())
-  log(events, ev, cap)
-  redis.call('RPUSH', done, state)
-  for _, k in ipairs({job, events, done}) do redis.call('EXPIRE', k, ttl) end
-end
-"""
-
-# KEYS: job, pending list, running hash, pending count, events, leader, device's Celery queue
-# ARGV: token, id, dispatch, device, event, estimate, tier, cap, Celery message
-_PLACE = (
-    _PRELUDE
-    + """
-if fenced(KEYS[6], ARGV[1]) then return -1 end
-if redis.call('HGET', KEYS[1], 'state') ~= 'queued' then
-  local n = redis.call('LREM', KEYS[2], 0, ARGV[2])
-  if n > 0 then uncount(KEYS[4], n) end
-  return 0
-end
-if redis.call('LREM', KEYS[2], 1, ARGV[2]) == 0 then return 0 end
-redis.call('HSET', KEYS[1], 'state', 'placed', 'device', ARGV[4], 'dispatch', ARGV[3],
-  'estimate', ARGV[6], 'tier', ARGV[7], 'placed', now())
-redis.call('HSET', KEYS[3], ARGV[2], ARGV[3])
-uncount(KEYS[4], 1)
-log(KEYS[5], ARGV[5], ARGV[8])
-redis.call('LPUSH', KEYS[7], ARGV[9])
-return 1
-"""
-)
-
-# KEYS: job, pending list, pending count, events, done, leader
-# ARGV: token, id, error, figures json, event, cap, ttl, estimate
-_FAIL_PENDING = (
-    _PRELUDE
-    + """
-if fenced(KEYS[6], ARGV[1]) then return -1 end
-if redis.call('HGET', KEYS[1], 'state') ~= 'queued' then return 0 end
-if redis.call('LREM', KEYS[2], 1, ARGV[2]) == 0 then return 0 end
-uncount(KEYS[3], 1)
-redis.call('HSET', KEYS[1], 'error', ARGV[3], 'figures', ARGV[4], 'estimate', ARGV[8])
-finish(KEYS[1], KEYS[4], KEYS[5], 'failed', ARGV[5], ARGV[6], ARGV[7])
-return 1
-"""
-)
-
-# KEYS: job, running hash, pending list, pending count, events, done, leader, cancel
-# ARGV: token, id, expected state, expected dispatch, new dispatch, count attempt (0/1),
-#       max attempts, device, retried event, failed event, cancelled event, poison error, cap, ttl
-_REQUEUE = (
-    _PRELUDE
-    + """
-if fenced(KEYS[7], ARGV[1]) then return -1 end
-local state = redis.call('HGET', KEYS[1], 'state')
-local dispatch = redis.call('HGET', KEYS[1], 'dispatch')
-if state ~= ARGV[3] or dispatch ~= ARGV[4] then return 0 end
-redis.call('HDEL', KEYS[2], ARGV[2])
-if redis.call('EXISTS', KEYS[8]) == 1 then
-  finish(KEYS[1], KEYS[5], KEYS[6], 'cancelled', ARGV[11], ARGV[13], ARGV[14])
-  return 3
-end
-if ARGV[6] == '1' then
-  local attempts = redis.call('HINCRBY', KEYS[1], 'attempts', 1)
-  local lost = redis.call('HGET', KEYS[1], 'lost_on')
-  if lost and lost ~= '' then lost = lost .. ',' .. ARGV[8] else lost = ARGV[8] end
-  redis.call('HSET', KEYS[1], 'lost_on', lost)
-  if attempts >= tonumber(ARGV[7]) then
-    redis.call('HSET', KEYS[1], 'error', ARGV[12])
-    finish(KEYS[1], KEYS[5], KEYS[6], 'failed', ARGV[10], ARGV[13], ARGV[14])
-    return 2
-  end
-end
-redis.call('HSET', KEYS[1], 'state', 'queued', 'device', '', 'dispatch', ARGV[5],
-  'incarnation', '')
-redis.call('LPUSH', KEYS[3], ARGV[2])
-redis.call('INCR', KEYS[4])
-log(KEYS[5], ARGV[9], ARGV[13])
-return 1
-"""
-)
-
-# KEYS: running hash, leader. ARGV: token, id, dispatch. A stale entry (the job ended or was
-# re-placed and the worker could not clean up) is removed only if it still says `dispatch`.
-_FORGET = """
-if redis.call('GET', KEYS[2]) ~= ARGV[1] then return -1 end
-if redis.call('HGET', KEYS[1], ARGV[2]) ~= ARGV[3] then return 0 end
-return redis.call('HDEL', KEYS[1], ARGV[2])
-"""
-
-# KEYS: job, pending list, pending count. A pending entry whose record is gone or not queued.
-_DROP_STALE = """
-if redis.call('HGET', KEYS[1], 'state') == 'queued' then return 0 end
-local n = redis.call('LREM', KEYS[2], 0, ARGV[1])
-if n > 0 and redis.call('DECRBY', KEYS[3], n) < 0 then redis.call('SET', KEYS[3], 0) end
-return n
-"""
 
 
 class NotLeader(Exception):
@@ -171,7 +57,7 @@ class DispatchConfig:
     scan: int = 1000
     max_attempts: int = MAX_ATTEMPTS
     unknown_grace: float = 10.0
-    mismatch_grace: float = 3 * protocol.HEARTBEAT_INTERVAL
+    mismatch_grace: float = 3 * keys.HEARTBEAT_INTERVAL
     wake_timeout: float = 0.2
     forget_dead_after: float = 3600.0
 
@@ -196,39 +82,11 @@ class PendingJob:
 
 
 class Outbox(Protocol):
-    """Builds the Celery message the placement script pushes (`outbox.CeleryOutbox`)."""
+    """Builds the Celery message placement pushes (`sdfarm.store.transport.CeleryOutbox`)."""
 
     def message(self, job_id: str, dispatch: str, device: str) -> tuple[str, str]:
         """(the Redis list to LPUSH, the message) for running `job_id` under `dispatch`."""
         ...
-
-
-def make_celery_app(redis_url: str) -> Any:
-    """The worker's own Celery app when it is importable (same serializer and transport
-    options), else a JSON-only app on the same broker."""
-    try:
-        from sdfarm.worker.app import make_app  # type: ignore[import-not-found]
-    except ImportError:
-        make_app = None
-    if make_app is not None:
-        return make_app(redis_url)
-    from celery import Celery
-
-    app = Celery("sdfarm-scheduler", broker=redis_url)
-    app.conf.update(
-        task_serializer="json",
-        accept_content=["json"],
-        result_serializer="json",
-        task_ignore_result=True,
-        broker_connection_retry_on_startup=True,
-    )
-    return app
-
-
-def celery_outbox(client: Any, redis_url: str) -> CeleryOutbox:
-    """The outbox of the worker's own Celery app on the farm's broker, its template captured
-    now, so a Celery it cannot read stops the scheduler when it takes the lead."""
-    return CeleryOutbox(client, make_celery_app(redis_url)).prepare()
 
 
 def poison_error(job_id: str, lost_on: str, records: str | None, limit: int = 20) -> str:
@@ -255,7 +113,7 @@ class Dispatcher:
 
     def __init__(
         self,
-        client: Any,
+        store: Store,
         token: str,
         outbox: Outbox,
         config: DispatchConfig | None = None,
@@ -263,19 +121,14 @@ class Dispatcher:
         clock: Callable[[], float] = time.time,
         monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.r = client
+        self.store = store
         self.token = token
         self.outbox = outbox
         self.config = config or DispatchConfig()
         self.log = log or (lambda kind, **fields: None)
         self.clock = clock
         self.monotonic = monotonic
-        self.registry = Registry(client, self.config.backlog)
-        self._place = client.register_script(_PLACE)
-        self._fail_pending = client.register_script(_FAIL_PENDING)
-        self._requeue = client.register_script(_REQUEUE)
-        self._forget = client.register_script(_FORGET)
-        self._drop_stale = client.register_script(_DROP_STALE)
+        self.registry = Registry(store, self.config.backlog)
         self._meta: dict[str, PendingJob] = {}
         self._incarnations: dict[str, str] = {}
         self._mismatch_since: dict[str, float] = {}
@@ -286,10 +139,7 @@ class Dispatcher:
 
     def start(self) -> None:
         """On becoming leader: publish the config clients read, start counting afresh."""
-        self.r.hset(
-            protocol.CONFIG_KEY,
-            mapping={"queue_limit": self.config.queue_limit, "backlog": self.config.backlog},
-        )
+        self.store.publish_config(self.config.queue_limit, self.config.backlog)
         self._incarnations.clear()
         self._mismatch_since.clear()
         self._missing_since.clear()
@@ -297,7 +147,7 @@ class Dispatcher:
     def wait_for_work(self) -> None:
         """Block until something nudges `wake` (a submit, a finished job) or the timeout, so
         dead workers are noticed within it. The cycle's snapshot clears the other nudges."""
-        self.r.blpop([protocol.WAKE_KEY], timeout=self.config.wake_timeout)
+        self.store.wait_for_wake(self.config.wake_timeout)
 
     def cycle(self) -> dict[str, int]:
         """Recover, then place. Returns counts for logs and tests."""
@@ -308,8 +158,8 @@ class Dispatcher:
         stats.update(self.place(snap))
         return stats
 
-    def _check(self, rc: Any) -> int:
-        if rc == -1:
+    def _check(self, rc: int) -> int:
+        if rc == NOT_LEADER:
             raise NotLeader(self.token)
         return int(rc)
 
@@ -336,10 +186,7 @@ class Dispatcher:
                 state = (job or {}).get("state")
                 if job is None or state not in ("placed", "running") or job["dispatch"] != dispatch:
                     stats["forgotten"] += self._check(
-                        self._forget(
-                            keys=[protocol.running_key(device), protocol.LEADER_KEY],
-                            args=[self.token, job_id, dispatch],
-                        )
+                        self.store.forget(self.token, device, job_id, dispatch)
                     )
                     continue
                 reason = None
@@ -367,7 +214,7 @@ class Dispatcher:
     def _forget_dead(self, device: str, now: float) -> None:
         since = self._dead_since.setdefault(device, now)
         if now - since >= self.config.forget_dead_after:
-            self.r.srem(protocol.DEVICES_KEY, device)
+            self.store.forget_device(device)
             self._dead_since.pop(device, None)
             self.log("forgotten-device", device=device)
 
@@ -377,40 +224,19 @@ class Dispatcher:
         attempts = int(job.get("attempts") or 0) + int(count)
         error = ""
         if count and attempts >= self.config.max_attempts:
-            records, lost_on = self.r.hmget(protocol.job_key(job_id), ["records", "lost_on"])
-            devices = ", ".join(filter(None, [protocol.decode(lost_on), device]))
-            error = poison_error(job_id, devices, protocol.decode(records) or None)
-        priority = job.get("priority") or "5"
+            records, lost_on = self.store.lost_runs(job_id)
+            devices = ", ".join(filter(None, [lost_on, device]))
+            error = poison_error(job_id, devices, records or None)
         rc = self._check(
-            self._requeue(
-                keys=[
-                    protocol.job_key(job_id),
-                    protocol.running_key(device),
-                    protocol.pending_key(int(priority)),
-                    protocol.PENDING_COUNT_KEY,
-                    protocol.events_key(job_id),
-                    protocol.done_key(job_id),
-                    protocol.LEADER_KEY,
-                    protocol.cancel_key(job_id),
-                ],
-                args=[
-                    self.token,
-                    job_id,
-                    job["state"],
-                    job["dispatch"],
-                    uuid.uuid4().hex,
-                    "1" if count else "0",
-                    self.config.max_attempts,
-                    device,
-                    protocol.event(
-                        "retried", device=device, reason=reason, attempts=attempts, counted=count
-                    ),
-                    protocol.event("failed", error=error, device=device, reason="poison"),
-                    protocol.event("cancelled", device=device, reason=reason),
-                    error,
-                    protocol.EVENTS_CAP,
-                    protocol.RESULT_TTL,
-                ],
+            self.store.requeue(
+                self.token,
+                job_id,
+                job,
+                device,
+                reason=reason,
+                count=count,
+                max_attempts=self.config.max_attempts,
+                poison_error=error,
             )
         )
         if rc:
@@ -428,21 +254,11 @@ class Dispatcher:
         read = {j: snap.head_fields[j] for _, j in missing if j in snap.head_fields}
         unread = [j for _, j in missing if j not in read]
         if unread:
-            pipe = self.r.pipeline(transaction=False)
-            for j in unread:
-                pipe.hmget(protocol.job_key(j), PENDING_JOB_FIELDS)
-            read.update(zip(unread, pipe.execute(), strict=True))
+            read.update(self.store.pending_fields(unread))
         for p, j in missing:
             meta = _pending_job(j, p, read[j])
             if meta is None:
-                self._drop_stale(
-                    keys=[
-                        protocol.job_key(j),
-                        protocol.pending_key(p),
-                        protocol.PENDING_COUNT_KEY,
-                    ],
-                    args=[j],
-                )
+                self.store.drop_stale(j, p)
             else:
                 self._meta[j] = meta
         seen = {j for _, j in listed}
@@ -477,7 +293,7 @@ class Dispatcher:
                     stats["refused"] += sum(self._fail(j, error, (), 0) for j in group)
                 continue
             self._missing_since.pop(model, None)
-            estimate = estimate_for(facts, width, height)
+            estimate = facts.estimate(width, height)
             outcome = placement.place(
                 placement.JobRequest(model, estimate), list(devices.values()), now
             )
@@ -533,36 +349,18 @@ class Dispatcher:
         )
 
     def _send(self, job: PendingJob, outcome: placement.Placed, estimate: int) -> bool:
-        dispatch = uuid.uuid4().hex
-        queue, message = self.outbox.message(job.job_id, dispatch, outcome.device)
+        dispatch = new_dispatch_id()
         rc = self._check(
-            self._place(
-                keys=[
-                    protocol.job_key(job.job_id),
-                    protocol.pending_key(job.priority),
-                    protocol.running_key(outcome.device),
-                    protocol.PENDING_COUNT_KEY,
-                    protocol.events_key(job.job_id),
-                    protocol.LEADER_KEY,
-                    queue,
-                ],
-                args=[
-                    self.token,
-                    job.job_id,
-                    dispatch,
-                    outcome.device,
-                    protocol.event(
-                        "placed",
-                        device=outcome.device,
-                        tier=outcome.tier,
-                        evict=list(outcome.evict),
-                        estimate=estimate,
-                    ),
-                    estimate,
-                    outcome.tier,
-                    protocol.EVENTS_CAP,
-                    message,
-                ],
+            self.store.place(
+                self.token,
+                job.job_id,
+                job.priority,
+                outcome.device,
+                dispatch,
+                estimate,
+                outcome.tier,
+                outcome.evict,
+                self.outbox.message(job.job_id, dispatch, outcome.device),
             )
         )
         self._meta.pop(job.job_id, None)
@@ -579,25 +377,13 @@ class Dispatcher:
         estimate: int,
     ) -> int:
         rc = self._check(
-            self._fail_pending(
-                keys=[
-                    protocol.job_key(job.job_id),
-                    protocol.pending_key(job.priority),
-                    protocol.PENDING_COUNT_KEY,
-                    protocol.events_key(job.job_id),
-                    protocol.done_key(job.job_id),
-                    protocol.LEADER_KEY,
-                ],
-                args=[
-                    self.token,
-                    job.job_id,
-                    error,
-                    json.dumps([f.__dict__ for f in figures]),
-                    protocol.event("failed", error=error, estimate=estimate),
-                    protocol.EVENTS_CAP,
-                    protocol.RESULT_TTL,
-                    estimate,
-                ],
+            self.store.fail(
+                self.token,
+                job.job_id,
+                job.priority,
+                error,
+                [f.__dict__ for f in figures],
+                estimate,
             )
         )
         self._meta.pop(job.job_id, None)
@@ -623,7 +409,7 @@ def _room(devices: dict[str, placement.DeviceState]) -> bool:
 def _pending_job(job_id: str, priority: int, values: list[Any]) -> PendingJob | None:
     """A queued job's placement facts; None when the record is gone or no longer queued. A
     spec that does not parse places at the default size (the client validated it)."""
-    state, model, submitter, created, spec = (protocol.decode(v) for v in values)
+    state, model, submitter, created, spec = (decode(v) for v in values)
     if state != "queued" or not model:
         return None
     try:

@@ -1,10 +1,11 @@
 """One active scheduler: a Redis lease on the `leader` key.
 
 Two schedulers placing at once would send one job twice and break the backlog bound, so only
-the holder of the lease dispatches. The lease is `SET leader <token> NX PX ttl`; the holder
-renews it with a compare-and-pexpire (a holder whose lease lapsed and was taken by another
-must not extend the new holder's), and releases it with a compare-and-delete on a clean stop
-so a standby takes over within its retry interval instead of waiting out the TTL.
+the holder of the lease dispatches. The lease is a key set only if absent, with a TTL
+(`Store.take_lease`); the holder renews it with a compare-and-pexpire (a holder whose lease
+lapsed and was taken by another must not extend the new holder's), and releases it with a
+compare-and-delete on a clean stop so a standby takes over within its retry interval instead
+of waiting out the TTL.
 
 The holder also keeps a local deadline: renewal time + ttl - margin by its own monotonic
 clock. Past it, `held` is false even before Redis says so, and every dispatch write is
@@ -20,24 +21,10 @@ import time
 import uuid
 from typing import Any
 
-from sdfarm.worker import protocol
+from sdfarm.store import Store
 
 DEFAULT_TTL_MS = 3000
 STANDBY_RETRY_S = 0.5
-
-_RENEW = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then
-  return redis.call('PEXPIRE', KEYS[1], ARGV[2])
-end
-return 0
-"""
-
-_RELEASE = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then
-  return redis.call('DEL', KEYS[1])
-end
-return 0
-"""
 
 
 def new_token() -> str:
@@ -51,21 +38,17 @@ class LeaderLock:
 
     def __init__(
         self,
-        client: Any,
+        store: Store,
         token: str | None = None,
         ttl_ms: int = DEFAULT_TTL_MS,
-        key: str = protocol.LEADER_KEY,
         clock: Any = time.monotonic,
     ) -> None:
         if ttl_ms < 300:
             raise ValueError(f"leader ttl {ttl_ms} ms is too short to renew reliably")
-        self.r = client
+        self.store = store
         self.token = token or new_token()
         self.ttl_ms = ttl_ms
-        self.key = key
         self.clock = clock
-        self._renew = client.register_script(_RENEW)
-        self._release = client.register_script(_RELEASE)
         self._deadline = 0.0
         self._renewed = 0.0
         self.fresh = False
@@ -88,8 +71,8 @@ class LeaderLock:
         when the key was free (whoever held it before may have died mid-cycle), False when
         the lease was still ours and only our local deadline had passed."""
         started = self.clock()
-        self.fresh = bool(self.r.set(self.key, self.token, nx=True, px=self.ttl_ms))
-        if self.fresh or self._renew(keys=[self.key], args=[self.token, self.ttl_ms]):
+        self.fresh = self.store.take_lease(self.token, self.ttl_ms)
+        if self.fresh or self.store.renew_lease(self.token, self.ttl_ms):
             self._granted(started)
             return True
         self._deadline = 0.0
@@ -104,7 +87,7 @@ class LeaderLock:
         if started - self._renewed < self.ttl_ms / 3000:
             return True
         try:
-            ok = self._renew(keys=[self.key], args=[self.token, self.ttl_ms])
+            ok = self.store.renew_lease(self.token, self.ttl_ms)
         except Exception:
             self._deadline = 0.0
             raise
@@ -117,9 +100,8 @@ class LeaderLock:
     def release(self) -> bool:
         """Give the lease up (only if it is still ours)."""
         self._deadline = 0.0
-        return bool(self._release(keys=[self.key], args=[self.token]))
+        return self.store.release_lease(self.token)
 
     def holder(self) -> str | None:
         """The token of whoever holds the lease now."""
-        value = self.r.get(self.key)
-        return protocol.decode(value) if value is not None else None
+        return self.store.lease_holder()

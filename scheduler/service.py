@@ -20,9 +20,11 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from sdfarm.scheduler.dispatch import DispatchConfig, Dispatcher, NotLeader, celery_outbox
+from sdfarm.scheduler.dispatch import DispatchConfig, Dispatcher, NotLeader
 from sdfarm.scheduler.leader import DEFAULT_TTL_MS, STANDBY_RETRY_S, LeaderLock
 from sdfarm.scheduler.registry import DEFAULT_BACKLOG, DEFAULT_QUEUE_LIMIT
+from sdfarm.store import Store
+from sdfarm.store.transport import CeleryOutbox
 
 QUIET_KINDS = frozenset({"placed"})
 """Shown only with --verbose: one line per job would drown the rest on a busy farm."""
@@ -68,12 +70,10 @@ class Service:
         json_lines: bool = False,
         verbose: bool = False,
     ) -> None:
-        import redis
-
         self.url = redis_url
-        self.r = redis.Redis.from_url(redis_url, socket_timeout=10, socket_connect_timeout=5)
+        self.store = Store.connect(redis_url, socket_timeout=10, socket_connect_timeout=5)
         self.config = config or DispatchConfig()
-        self.lock = LeaderLock(self.r, ttl_ms=lease_ms)
+        self.lock = LeaderLock(self.store, ttl_ms=lease_ms)
         self.json_lines = json_lines
         self.verbose = verbose
         self.stopping = threading.Event()
@@ -99,8 +99,9 @@ class Service:
     def dispatcher(self) -> Dispatcher:
         """Built on first leadership: the Celery app connects to the broker lazily."""
         if self._dispatcher is None:
+            outbox = CeleryOutbox.for_farm(self.store.r, self.url)
             self._dispatcher = Dispatcher(
-                self.r, self.lock.token, celery_outbox(self.r, self.url), self.config, log=self.emit
+                self.store, self.lock.token, outbox, self.config, log=self.emit
             )
         return self._dispatcher
 
@@ -141,7 +142,7 @@ class Service:
             with contextlib.suppress(redis.RedisError):
                 self.lock.release()  # compare-and-delete: a no-op unless the lease is ours
             self.emit("stopped")
-            self.r.close()
+            self.store.close()
         return 0
 
     def stop(self, *_: Any) -> None:

@@ -16,7 +16,7 @@ import pytest
 def redis_server() -> Iterator[object]:
     """One private redis-server for the whole session (starting one per test costs ~50 ms
     and a port each); `redis_url` empties it before every test."""
-    from sdfarm.scheduler.redis_server import RedisServer
+    from sdfarm.localfarm.redis_server import RedisServer
 
     server = RedisServer.start()
     try:

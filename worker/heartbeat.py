@@ -21,7 +21,6 @@ initialise the driver); MemAvailable is re-read every beat, which is cheap.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import threading
@@ -29,9 +28,9 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from sdfarm.native.devices import gpu_figure
-from sdfarm.native.engine import decode_bytes_per_pixel
+from sdfarm.native.estimate import model_facts
 from sdfarm.native.probe import mem_available
-from sdfarm.worker import protocol
+from sdfarm.store import keys
 
 if TYPE_CHECKING:
     from sdfarm.worker.hooks import Context, WorkerConfig
@@ -95,8 +94,8 @@ def version() -> dict[str, str]:
 class ModelFacts:
     """{name: {"bytes", "native_size", "decode_per_pixel"}} for every model in the catalog,
     re-read only when a model's folder changes (headers of big models are not free to parse
-    every second). `decode_per_pixel` is what this device's decode adds to the estimate
-    (sdfarm.native.engine.decode_bytes_per_pixel)."""
+    every second): `sdfarm.native.estimate.ModelFacts`, from which the scheduler makes a job's
+    estimate exactly as this worker's engine would."""
 
     def __init__(self, catalog: Any, device: Any) -> None:
         self._catalog = catalog
@@ -120,14 +119,7 @@ class ModelFacts:
                 known = self._known.get(name)
                 if known is None or known[0] != stamp:
                     model = self._catalog.load(name)
-                    known = (
-                        stamp,
-                        {
-                            "bytes": model.total_bytes,
-                            "native_size": list(model.native_size),
-                            "decode_per_pixel": decode_bytes_per_pixel(model.files, self._device),
-                        },
-                    )
+                    known = (stamp, model_facts(model, self._device).as_json())
                     self._known[name] = known
                 facts[name] = known[1]
             except Exception as exc:  # noqa: BLE001 - a broken model is reported, not fatal
@@ -155,7 +147,7 @@ class Heartbeat:
         self._thread.join(5)
         if withdraw:
             with contextlib.suppress(Exception):  # Redis may be gone at shutdown
-                self._ctx.redis.delete(protocol.heartbeat_key(self._ctx.config.device_key))
+                self._ctx.store.withdraw(self._ctx.config.device_key)
 
     def payload(self) -> dict[str, Any]:
         ctx, cfg = self._ctx, self._ctx.config
@@ -180,7 +172,7 @@ class Heartbeat:
             "loading": ctx.cache.loading,
             "models": self._models.get(),
             "bad_models": self._models.bad,
-            "queue": protocol.celery_queue_length(ctx.redis, cfg.device_key),
+            "queue": ctx.store.queue_length(cfg.device_key),
             "state": state,
             "current_job": ctx.current_job,
             "version": self._version,
@@ -192,12 +184,7 @@ class Heartbeat:
         }
 
     def beat(self) -> None:
-        cfg = self._ctx.config
-        doc = json.dumps(self.payload())
-        pipe = self._ctx.redis.pipeline(transaction=False)
-        pipe.set(protocol.heartbeat_key(cfg.device_key), doc, px=int(protocol.HEARTBEAT_TTL * 1000))
-        pipe.sadd(protocol.DEVICES_KEY, cfg.device_key)
-        pipe.execute()
+        self._ctx.store.beat(self._ctx.config.device_key, self.payload(), keys.HEARTBEAT_TTL)
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -206,7 +193,7 @@ class Heartbeat:
                 self.beat()
             except Exception as exc:  # noqa: BLE001 - keep beating through Redis restarts
                 log.warning("heartbeat failed: %s", exc)
-            self._stop.wait(max(0.05, protocol.HEARTBEAT_INTERVAL - (time.monotonic() - t)))
+            self._stop.wait(max(0.05, keys.HEARTBEAT_INTERVAL - (time.monotonic() - t)))
 
 
 def _backend_family(device_name: str) -> str:

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sdfarm.native.devices import Device, HostFigures
-from sdfarm.worker import protocol
+from sdfarm.store import keys, transport
 
 log = logging.getLogger("sdfarm.worker")
 
@@ -49,11 +49,11 @@ class WorkerConfig:
 
     @property
     def device_key(self) -> str:
-        return protocol.device_key(self.host, self.device.name)
+        return keys.device_key(self.host, self.device.name)
 
     @property
     def queue(self) -> str:
-        return protocol.queue_name(self.device_key)
+        return transport.queue_name(self.device_key)
 
 
 _config: WorkerConfig | None = None
@@ -81,9 +81,8 @@ class Context:
     """One pool child's state: Redis, the engine cache, the uploader, the heartbeat."""
 
     def __init__(self, config: WorkerConfig) -> None:
-        import redis
-
         from sdfarm.native.catalog import Catalog
+        from sdfarm.store import Store
         from sdfarm.worker.engine_cache import EngineCache
         from sdfarm.worker.heartbeat import Heartbeat, cache_limits
         from sdfarm.worker.results import Uploader
@@ -93,9 +92,7 @@ class Context:
         self.incarnation = uuid.uuid4().hex
         self.worker_name = f"{config.celery_hostname or socket.gethostname()}:{self.pid}"
         # Writes of up to MAX_RESULT_BYTES need more than redis-py 8's default 5 s timeout.
-        self.redis = redis.Redis.from_url(
-            config.redis_url, health_check_interval=30, socket_timeout=60
-        )
+        self.store = Store.connect(config.redis_url, health_check_interval=30, socket_timeout=60)
         self.catalog = Catalog(config.models)
         capacity, overflow = cache_limits(config)
         self.cache = EngineCache(
@@ -105,7 +102,7 @@ class Context:
             pinned=set(config.pins),
             overflow_bytes=overflow,
         )
-        self.uploader = Uploader(self.redis, config.device_key)
+        self.uploader = Uploader(self.store, config.device_key)
         self.heartbeat = Heartbeat(self)
         self.state = "idle"
         self.current_job: str | None = None
@@ -149,7 +146,7 @@ class Context:
         previous = self.state
         self.set_state("loading", job_id)
         if job_id:
-            protocol.push_event(self.redis, job_id, "loading", model=name, estimate=estimate)
+            self.store.push_event(job_id, "loading", model=name, estimate=estimate)
         t0 = time.monotonic()
         try:
             engine = Engine.load(
@@ -171,8 +168,7 @@ class Context:
             "warmup_s": round(engine.warmup_seconds, 4),
         }
         if job_id:
-            protocol.push_event(
-                self.redis,
+            self.store.push_event(
                 job_id,
                 "loaded",
                 model=name,
@@ -195,15 +191,13 @@ class Context:
     def _preload(self) -> None:
         """--pin: load pinned models in the background after start (never inside
         worker_process_init, which must return within seconds); jobs wait for the load lock."""
-        from sdfarm.native.memory import estimate_bytes
+        from sdfarm.native.estimate import model_facts
 
         for name in self.config.pins:
             try:
                 model = self.catalog.load(name)
-                w, h = model.native_size
-                self.request_engine(
-                    name, model, estimate_bytes(model.total_bytes, w, h, w * h), None
-                )
+                resident = model_facts(model, self.config.device).resident()
+                self.request_engine(name, model, resident, None)
                 self.cache.release(name)
             except Exception as exc:  # noqa: BLE001 - a bad pin is reported, jobs go on
                 log.error("could not load pinned model %s: %s", name, exc)
@@ -221,7 +215,7 @@ class Context:
                 log.exception("engine expiry failed")
 
 
-# -- Celery signal handlers -----------------------------------------------------------------
+# -- the pool process's start and stop (sdfarm.store.transport.on_pool_process) ------------
 
 
 GIL_SWITCH_S = 0.0005
@@ -246,13 +240,6 @@ def on_process_shutdown(**_: Any) -> None:
             log.exception("worker shutdown")
 
 
-def connect_signals() -> None:
-    from celery import signals
-
-    signals.worker_process_init.connect(on_process_init, weak=False)
-    signals.worker_process_shutdown.connect(on_process_shutdown, weak=False)
-
-
 # -- test hooks -------------------------------------------------------------------------------
 
 
@@ -261,13 +248,11 @@ def test_hooks_enabled(environ: dict[str, str] | None = None) -> bool:
 
 
 def test_hook(spec: dict[str, Any], environ: dict[str, str] | None = None) -> str | None:
-    """The job's `test_hook` ("abort", "sleep:N"), from params.extra or the spec itself, but
-    only when SDFARM_TEST_HOOKS=1 in the worker's environment; None otherwise, always."""
+    """The job spec's `test_hook` ("abort", "sleep:N"), but only when SDFARM_TEST_HOOKS=1 in
+    the worker's environment; None otherwise, always."""
     if not test_hooks_enabled(environ):
         return None
-    params = spec.get("params") if isinstance(spec.get("params"), dict) else {}
-    extra = params.get("extra") if isinstance(params.get("extra"), dict) else {}
-    hook = extra.get("test_hook", spec.get("test_hook"))
+    hook = spec.get("test_hook")
     return hook if isinstance(hook, str) and hook else None
 
 

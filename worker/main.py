@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from sdfarm.native.devices import Device, HostFigures, choose_compute_device
+from sdfarm.store import transport
 
 SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?B?)\s*$", re.IGNORECASE)
 
@@ -165,7 +166,7 @@ def run(args: argparse.Namespace) -> int:
     )
     config = build_config(args)
     hooks.configure(config)
-    hooks.connect_signals()
+    transport.on_pool_process(hooks.on_process_init, hooks.on_process_shutdown)
     app = make_app(config.redis_url)
     capacity, overflow = cache_limits(config)
     doc = {
@@ -190,20 +191,7 @@ def run(args: argparse.Namespace) -> int:
             f"sdfarm worker {config.device_key} ({config.device.type}) on queue {config.queue}",
             file=sys.stderr,
         )
-    worker = app.Worker(
-        hostname=config.celery_hostname,
-        pool_cls="prefork",
-        concurrency=1,
-        queues=[config.queue],
-        loglevel="WARNING",
-        without_gossip=True,
-        without_mingle=True,
-        without_heartbeat=True,
-        quiet=True,
-        redirect_stdouts=False,
-    )
-    worker.start()
-    return int(worker.exitcode or 0)
+    return transport.run_worker(app, config.celery_hostname, config.queue)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

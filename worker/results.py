@@ -18,11 +18,12 @@ from typing import Any
 
 from sdfarm.native.devices import format_bytes
 from sdfarm.native.png import png_bytes
-from sdfarm.worker import protocol
 
 log = logging.getLogger("sdfarm.worker")
 
 RETRIES = 5
+MAX_RESULT_BYTES = 64 * 1024 * 1024
+"""The most PNG bytes one job's result may hold in Redis."""
 
 
 @dataclass
@@ -47,9 +48,9 @@ class Uploader:
     so far is written."""
 
     def __init__(
-        self, client: Any, device_key: str, max_result_bytes: int = protocol.MAX_RESULT_BYTES
+        self, store: Any, device_key: str, max_result_bytes: int = MAX_RESULT_BYTES
     ) -> None:
-        self._client = client
+        self._store = store
         self._device_key = device_key
         self._max = max_result_bytes
         self._queue: queue.Queue[Finished | None] = queue.Queue()
@@ -96,7 +97,7 @@ class Uploader:
 
     def write(self, item: Finished) -> bool:
         """Encode, check the size cap, then write the images and end the job in one atomic
-        step (protocol.finish). False when the job was no longer ours."""
+        step (Store.finish). False when the job was no longer ours."""
         meta = item.meta
         timings: dict[str, Any] = {} if meta is None else meta.setdefault("timings", {})
         pngs: list[bytes] = []
@@ -120,8 +121,7 @@ class Uploader:
         if error and meta is not None:
             meta["error"] = error
         ok = self._retry(
-            protocol.finish,
-            self._client,
+            self._store.finish,
             item.job_id,
             item.dispatch,
             self._device_key,

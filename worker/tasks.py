@@ -23,7 +23,10 @@ from typing import Any
 from sdfarm.native import logs
 from sdfarm.native.engine import LogConfig
 from sdfarm.native.errors import EngineError, InvalidParameterError, ModelTooLargeError
-from sdfarm.worker import hooks, protocol
+from sdfarm.native.estimate import model_facts
+from sdfarm.native.params import GenerationParams, from_mapping, validate
+from sdfarm.store import Claim, JobSpec
+from sdfarm.worker import hooks
 from sdfarm.worker.results import Finished
 
 log = logging.getLogger("sdfarm.worker")
@@ -45,7 +48,7 @@ class JobRun:
         self.ctx = ctx
         self.job_id = job_id
         self.dispatch = dispatch
-        self.redis = ctx.redis
+        self.store = ctx.store
         self.timings: dict[str, float] = {"load_s": 0.0}
         self.meta: dict[str, Any] = {
             "job": job_id,
@@ -65,9 +68,7 @@ class JobRun:
     def run(self) -> None:
         ctx = self.ctx
         self._t0 = time.monotonic()
-        claimed = protocol.claim(
-            self.redis, self.job_id, self.dispatch, ctx.incarnation, ctx.worker_name
-        )
+        claimed = self.store.claim(self.job_id, self.dispatch, ctx.incarnation, ctx.worker_name)
         if claimed is None:
             log.info("dropped a stale message for job %s (dispatch %s)", self.job_id, self.dispatch)
             return
@@ -80,7 +81,7 @@ class JobRun:
         finally:
             ctx.set_state("idle")
 
-    def _run(self, claimed: protocol.Claim) -> None:
+    def _run(self, claimed: Claim) -> None:
         self.timings["queued_s"] = round(max(0.0, claimed.started - claimed.created), 4)
         try:
             spec_doc = json.loads(claimed.spec or "{}")
@@ -102,19 +103,18 @@ class JobRun:
             self.meta["model"] = spec.model
             self.level = spec.log_level
             self.log_prompts = spec.log_prompts
-            params = _params(spec)
+            params = validate(from_mapping(spec.params))
             model = self.ctx.catalog.load(spec.model)
-            w, h = model.native_size
-            from sdfarm.native.memory import estimate_bytes
-
-            held = estimate_bytes(model.total_bytes, w, h, w * h)
-            need = estimate_bytes(model.total_bytes, params.width, params.height, w * h)
-            engine = self.ctx.request_engine(spec.model, model, held, self.job_id, need)
+            facts = model_facts(model, self.ctx.config.device)
+            # The job's estimate as the scheduler placed it (sdfarm.native.estimate): the
+            # cache makes room for it and the engine checks it, so all three agree.
+            need = claimed.estimate or facts.estimate(params.width, params.height)
+            engine = self.ctx.request_engine(spec.model, model, facts.resident(), self.job_id, need)
         except EngineError as exc:
             self._fail(str(exc), _error_records(exc), self._refusal_fields(exc))
             return
         try:
-            self._generate(spec.model, engine, params, hooks.hook_sleep_seconds(hook))
+            self._generate(spec.model, engine, params, need, hooks.hook_sleep_seconds(hook))
         except EngineError as exc:
             if engine.poisoned:
                 self.ctx.cache.drop(spec.model)
@@ -126,27 +126,21 @@ class JobRun:
         finally:
             self.ctx.cache.release(spec.model)
 
-    def _generate(self, name: str, engine: Any, params: Any, sleep_s: float) -> None:
+    def _generate(
+        self, name: str, engine: Any, params: GenerationParams, estimate: int, sleep_s: float
+    ) -> None:
         loaded = (
             self.ctx.last_load if (self.ctx.last_load or {}).get("job") == self.job_id else None
         )
         if loaded:
             self.timings["load_s"] = loaded["load_s"]
             self.timings["warmup_s"] = loaded["warmup_s"]
-        if loaded:
             # Before the first native call after a load: if the runtime kills this process,
             # the scheduler's poison report quotes these records. A cancel that came during
             # the load ends the job here, without ending the process. A job on a warm engine
             # skips this round trip: its claim checked the cancel a moment ago, and a later
             # one is caught by the cancel watch.
-            pipe = self.redis.pipeline(transaction=False)
-            pipe.hset(
-                protocol.job_key(self.job_id),
-                "records",
-                json.dumps(self.ctx.load_records.get(name, [])),
-            )
-            pipe.exists(protocol.cancel_key(self.job_id))
-            if pipe.execute()[-1]:
+            if self.store.loaded(self.job_id, self.ctx.load_records.get(name, [])):
                 self._end("cancelled")
                 return
         with cancel_watch().watching(self):
@@ -157,10 +151,10 @@ class JobRun:
                 params,
                 progress=self._progress,
                 log=LogConfig(level=self.level, log_prompts=self.log_prompts),
+                estimate=estimate,
             )
         meta = {**result.metadata, **self.meta}
         meta["engine_device"] = result.metadata.get("device")
-        meta["seeds"] = [params.seed + i for i in range(len(result.images))]
         meta["timings"] = {**self.timings, **result.metadata.get("timings", {})}
         records = (self._load_records(name) if loaded else []) + [
             r.as_dict() for r in result.records
@@ -188,21 +182,14 @@ class JobRun:
         if step < steps and now - self._last_pub < PROGRESS_MIN_INTERVAL:
             return
         self._last_pub, self._last_step = now, (step, steps)
-        doc = {"step": step, "steps": steps, "s_per_step": round(float(s_per_step), 4)}
-        ek = protocol.events_key(self.job_id)
-        pipe = self.redis.pipeline(transaction=False)
-        pipe.set(protocol.progress_key(self.job_id), json.dumps(doc), ex=protocol.RESULT_TTL)
-        pipe.rpush(ek, protocol.event("step", **doc))
-        pipe.ltrim(ek, -protocol.EVENTS_CAP, -1)
-        pipe.exists(protocol.cancel_key(self.job_id))
         try:
-            if pipe.execute()[-1]:
+            if self.store.publish_progress(self.job_id, step, steps, s_per_step):
                 self.cancel_running()
         except Exception as exc:  # noqa: BLE001 - progress is best effort
             log.warning("progress of job %s not published: %s", self.job_id, exc)
 
     def _cancel_requested(self) -> bool:
-        return bool(self.redis.exists(protocol.cancel_key(self.job_id)))
+        return self.store.cancel_requested(self.job_id)
 
     def cancel_running(self) -> None:
         """A cancel while the runtime generates: master-596 cannot stop, so this process ends.
@@ -212,9 +199,7 @@ class JobRun:
         log.warning("job %s cancelled while running: ending this worker process", self.job_id)
         try:
             self.ctx.uploader.flush(15.0)
-            protocol.finish(
-                self.redis, self.job_id, self.dispatch, self.ctx.config.device_key, "cancelled"
-            )
+            self.store.finish(self.job_id, self.dispatch, self.ctx.config.device_key, "cancelled")
         finally:
             os._exit(CANCEL_EXIT_CODE)
 
@@ -323,39 +308,20 @@ def cancel_watch() -> CancelWatch:
 # -- parsing ---------------------------------------------------------------------------------
 
 
-def _float(value: str | None, default: float) -> float:
-    try:
-        return float(value) if value else default
-    except ValueError:
-        return default
-
-
-def _job_spec(doc: dict[str, Any]) -> protocol.JobSpec:
+def _job_spec(doc: dict[str, Any]) -> JobSpec:
     """A JobSpec from the stored JSON, ignoring fields this worker does not know (a newer
     client may add some); InvalidParameterError naming what is missing or malformed."""
-    known = {f.name for f in fields(protocol.JobSpec)}
+    known = {f.name for f in fields(JobSpec)}
     if not isinstance(doc.get("model"), str):
         raise InvalidParameterError("model", "the job names no model")
     if not isinstance(doc.get("params", {}), dict):
         raise InvalidParameterError("params", "must be an object")
-    spec = protocol.JobSpec(**{k: v for k, v in doc.items() if k in known})
+    spec = JobSpec(**{k: v for k, v in doc.items() if k in known})
     try:
         logs.level_number(spec.log_level)
     except ValueError as exc:
         raise InvalidParameterError("log_level", str(exc)) from None
     return spec
-
-
-def _params(spec: protocol.JobSpec) -> Any:
-    from sdfarm.native.params import GenerationParams, validate
-
-    known = {f.name for f in fields(GenerationParams)}
-    unknown = sorted(set(spec.params) - known)
-    if unknown:
-        raise InvalidParameterError(unknown[0], "unknown parameter")
-    if "prompt" not in spec.params:
-        raise InvalidParameterError("prompt", "missing")
-    return validate(GenerationParams(**spec.params))
 
 
 def _visible(records: list[dict[str, Any]], level: str) -> list[dict[str, Any]]:

@@ -10,10 +10,8 @@ import sys
 from pathlib import Path
 
 import pytest
-import redis
 
-pytest.importorskip("sdfarm.worker.main", reason="the worker module is not there yet")
-pytest.importorskip("sdfarm.scheduler.client", reason="the client module is not there yet")
+from sdfarm.store import Store, keys
 
 pytestmark = pytest.mark.e2e
 
@@ -30,7 +28,7 @@ def one_json(out: str) -> dict:
 
 @pytest.fixture(scope="module")
 def farm(models_dir, tmp_path_factory):
-    from sdfarm.scheduler.localfarm import LocalFarm
+    from sdfarm.localfarm.farm import LocalFarm
 
     with LocalFarm([models_dir], announce=False) as f:
         yield f
@@ -38,7 +36,7 @@ def farm(models_dir, tmp_path_factory):
 
 def batch(farm, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "sdfarm.scheduler.cli", "batch", *args, "--redis", farm.url],
+        [sys.executable, "-m", "sdfarm.cli.main", "batch", *args, "--redis", farm.url],
         capture_output=True,
         text=True,
         env=env,
@@ -47,7 +45,12 @@ def batch(farm, *args: str, env: dict[str, str] | None = None) -> subprocess.Com
 
 
 def job_count(farm) -> int:
-    return len(redis.Redis.from_url(farm.url).keys("sdfarm:job:*"))
+    """Job records the farm's Redis holds."""
+    store = Store.connect(farm.url)
+    try:
+        return sum(store.count_by_state().values())
+    finally:
+        store.close()
 
 
 def test_fifty_prompts_then_a_rerun_that_redoes_nothing(farm, tmp_path):
@@ -140,7 +143,7 @@ def test_batch_starts_a_local_farm_when_none_runs(models_dir, tmp_path):
     items = tmp_path / "p.txt"
     items.write_text("one\ntwo\n")
     done = subprocess.run(
-        [sys.executable, "-m", "sdfarm.scheduler.cli", "batch", str(items), "--out",
+        [sys.executable, "-m", "sdfarm.cli.main", "batch", str(items), "--out",
          str(tmp_path / "o"), "--model", "tiny-q8_0", "--models", str(models_dir), *SMALL,
          "--json"],
         capture_output=True, text=True, env=env, timeout=300,
@@ -149,3 +152,27 @@ def test_batch_starts_a_local_farm_when_none_runs(models_dir, tmp_path):
     assert one_json(done.stdout)["done"] == 2
     assert "starting a local one" in done.stderr
     assert not (tmp_path / "sdfarm" / "local.json").exists()  # a private farm is not announced
+
+
+def test_every_key_of_a_finished_batch_expires(farm, tmp_path):
+    """A batch of 20 jobs leaves nothing in Redis for ever: every key that holds one of its
+    job ids is one of that job's keys, and each has a TTL of at most a day."""
+    items = tmp_path / "twenty.txt"
+    items.write_text("".join(f"prompt number {i}\n" for i in range(20)))
+    out = tmp_path / "out"
+    done = batch(farm, str(items), "--out", str(out), "--model", "tiny-q8_0", *SMALL, "--json")
+    assert done.returncode == 0, done.stderr
+    assert one_json(done.stdout)["done"] == 20
+    job_ids = {json.loads(p.read_text())["job"] for p in out.glob("*.json")}
+    assert len(job_ids) == 20
+    store = Store.connect(farm.url)
+    try:
+        for job_id in job_ids:
+            found = {k.decode() for k in store.r.scan_iter(match=f"*{job_id}*", count=1000)}
+            assert found <= set(keys.job_keys(job_id)), found
+            assert {keys.job_key(job_id), keys.result_key(job_id), keys.done_key(job_id)} <= found
+            ttls = store.ttls(job_id)
+            assert set(ttls) == found
+            assert all(0 < t <= keys.RESULT_TTL for t in ttls.values()), ttls
+    finally:
+        store.close()

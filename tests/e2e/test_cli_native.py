@@ -17,7 +17,7 @@ SMALL = ["--width", "64", "--height", "64", "--steps", "1"]
 
 def sdfarm(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "sdfarm.scheduler.cli", *args],
+        [sys.executable, "-m", "sdfarm.cli.main", *args],
         capture_output=True,
         text=True,
         cwd=cwd,
@@ -165,7 +165,7 @@ def test_a_runtime_built_elsewhere_loads_through_sdfarm_runtime_dir(tmp_path):
     cache = tmp_path / "empty-cache"
     env = {**os.environ, "SDFARM_RUNTIME_DIR": str(carried), "SDFARM_CACHE": str(cache)}
     env.pop("SDFARM_BACKEND", None)
-    run = [sys.executable, "-m", "sdfarm.scheduler.cli", "devices", "--json"]
+    run = [sys.executable, "-m", "sdfarm.cli.main", "devices", "--json"]
     done = subprocess.run(run, capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stderr
     assert "CPU" in [d["name"] for d in one_json(done.stdout)["devices"]]

@@ -21,9 +21,6 @@ import psutil
 import pytest
 import redis
 
-pytest.importorskip("sdfarm.worker.main", reason="the worker module is not there yet")
-pytest.importorskip("sdfarm.scheduler.client", reason="the client module is not there yet")
-
 pytestmark = pytest.mark.e2e
 
 SMALL = ["--width", "64", "--height", "64", "--steps", "1"]
@@ -38,7 +35,7 @@ def one_json(out: str) -> dict:
 
 def sdfarm(*args: str, env: dict[str, str], timeout: float = 120) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "sdfarm.scheduler.cli", *args],
+        [sys.executable, "-m", "sdfarm.cli.main", *args],
         capture_output=True,
         text=True,
         env=env,
@@ -68,7 +65,7 @@ def up(models_dir, tmp_path_factory):
     runtime.chmod(0o700)
     env = private_env(runtime)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "sdfarm.scheduler.cli", "up", "--models", str(models_dir)]
+        [sys.executable, "-m", "sdfarm.cli.main", "up", "--models", str(models_dir)]
         + ["--json", "--log-dir", str(runtime / "logs")],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -163,9 +160,9 @@ def test_commands_without_a_farm_say_how_to_start_one(tmp_path):
 
 
 def test_localfarm_api_starts_and_stops_everything(models_dir, tmp_path, monkeypatch):
-    from sdfarm.scheduler.localfarm import LocalFarm
-    from sdfarm.scheduler.redis_server import port_is_free
-    from sdfarm.scheduler.state import find_redis_url, state_path
+    from sdfarm.localfarm.farm import LocalFarm
+    from sdfarm.localfarm.redis_server import port_is_free
+    from sdfarm.localfarm.state import find_redis_url, state_path
 
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
     monkeypatch.delenv("SDFARM_REDIS_URL", raising=False)
@@ -183,7 +180,7 @@ def test_localfarm_api_starts_and_stops_everything(models_dir, tmp_path, monkeyp
 
 
 def test_a_worker_that_cannot_start_is_an_error_quoting_its_output(models_dir, tmp_path):
-    from sdfarm.scheduler.localfarm import LocalFarm, LocalFarmError
+    from sdfarm.localfarm.farm import LocalFarm, LocalFarmError
 
     farm = LocalFarm([models_dir], devices=["NoSuchDevice9"], announce=False, ready_timeout=60)
     with pytest.raises(LocalFarmError, match="worker:NoSuchDevice9") as info:
@@ -193,7 +190,7 @@ def test_a_worker_that_cannot_start_is_an_error_quoting_its_output(models_dir, t
 
 
 def test_cancel_a_queued_and_a_running_job(up):
-    from sdfarm.scheduler.client import Farm, JobCancelled
+    from sdfarm.client.farm import Farm, JobCancelled
 
     farm = Farm(up["doc"]["redis_url"])
     running = farm.submit("tiny-q8_0", "slow", width=512, height=512, steps=40, priority=0)
@@ -214,7 +211,7 @@ def test_cancel_a_queued_and_a_running_job(up):
 
 
 def test_a_stale_state_file_is_ignored(tmp_path, monkeypatch):
-    from sdfarm.scheduler.state import LocalState, find_redis_url, pid_entry, write_state
+    from sdfarm.localfarm.state import LocalState, find_redis_url, pid_entry, write_state
 
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
     monkeypatch.delenv("SDFARM_REDIS_URL", raising=False)

@@ -22,7 +22,7 @@ pytestmark = pytest.mark.gpu
 
 
 def cli(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "sdfarm.scheduler.cli", *args]
+    cmd = [sys.executable, "-m", "sdfarm.cli.main", *args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
 
 
@@ -74,8 +74,8 @@ def test_a_generation_on_the_gpu_is_deterministic(gpu: dict, model: Path, tmp_pa
 
 
 def test_a_farm_job_runs_on_the_gpu_worker(gpu: dict, model: Path) -> None:
-    from sdfarm.scheduler.client import Farm
-    from sdfarm.scheduler.localfarm import LocalFarm
+    from sdfarm.client.farm import Farm
+    from sdfarm.localfarm.farm import LocalFarm
 
     with LocalFarm([model.parent], announce=False) as local, Farm(local.url) as farm:
         r = farm.submit(model.name, "a red kite", seed=7, width=256, height=256, steps=1)

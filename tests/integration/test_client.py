@@ -1,5 +1,5 @@
 """The client (`Farm`, `Job`, `Result`, `map`) against a real local farm: redis-server, the
-scheduler service and one CPU worker running the tiny model (sdfarm.scheduler.localfarm),
+scheduler service and one CPU worker running the tiny model (sdfarm.localfarm.farm),
 shared by the module; tests that need a farm without a scheduler use `redis_url`."""
 
 from __future__ import annotations
@@ -12,14 +12,14 @@ from typing import Any
 
 import pytest
 
-from sdfarm.native.errors import InvalidParameterError
-from sdfarm.scheduler.client import (
+from sdfarm.client.farm import (
     Farm,
     JobCancelled,
     JobFailed,
     UnknownModelError,
 )
-from sdfarm.worker import protocol
+from sdfarm.native.errors import InvalidParameterError
+from sdfarm.store import JobSpec
 
 F16 = "tiny-f16"
 SMALL = {"width": 64, "height": 64, "steps": 1}
@@ -28,7 +28,7 @@ TIMEOUT = 60.0
 
 @pytest.fixture(scope="module")
 def local_farm(models_dir: Path) -> Iterator[Any]:
-    from sdfarm.scheduler.localfarm import LocalFarm
+    from sdfarm.localfarm.farm import LocalFarm
 
     farm = LocalFarm(
         [models_dir],
@@ -57,12 +57,12 @@ def test_bad_parameters_fail_before_anything_is_queued(farm: Farm) -> None:
         {"priority": 12},
         {"log_level": "loud"},
     ]
-    before = len(farm.r.keys(protocol.job_key("*")))
+    before = farm.store.count_by_state()
     for kwargs in bad:
         with pytest.raises(InvalidParameterError):
             farm.submit(F16, "x", **{**SMALL, **kwargs})
-    assert int(farm.r.get(protocol.PENDING_COUNT_KEY) or 0) == 0
-    assert len(farm.r.keys(protocol.job_key("*"))) == before
+    assert farm.store.queues()["pending"] == 0
+    assert farm.store.count_by_state() == before
 
 
 def test_unknown_model_names_what_the_farm_has(farm: Farm) -> None:
@@ -113,14 +113,13 @@ def test_queued_job_times_out_and_cancels(redis_url: str) -> None:
         assert not job.cancel()  # already final
         with pytest.raises(JobCancelled):
             job.result(1)
-        assert int(farm.r.get(protocol.PENDING_COUNT_KEY)) == 0
-        assert farm.r.llen(protocol.pending_key(5)) == 0
+        queues = farm.store.queues()
+        assert queues["pending"] == 0 and queues["queues"][5] == 0
 
 
 def test_cancel_a_running_job(farm: Farm) -> None:
     params = {"prompt": "slow", "negative_prompt": "", "seed": 1, **SMALL}
-    params["extra"] = {"test_hook": "sleep:3"}
-    job = farm.submit_spec(protocol.JobSpec(model=F16, params=params))
+    job = farm.submit_spec(JobSpec(model=F16, params=params, test_hook="sleep:3"))
     deadline = time.monotonic() + TIMEOUT
     while job.state() != "running":
         assert time.monotonic() < deadline

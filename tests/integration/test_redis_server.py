@@ -8,7 +8,7 @@ import os
 import pytest
 import redis
 
-from sdfarm.scheduler.redis_server import (
+from sdfarm.localfarm.redis_server import (
     RedisServer,
     RedisServerError,
     find_binary,

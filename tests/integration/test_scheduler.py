@@ -6,7 +6,6 @@ CPU workers on this machine, which is all placement looks at."""
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import shutil
 import signal
@@ -19,10 +18,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import redis
 
-from sdfarm.scheduler.client import Farm, FarmBusyError, Job, JobFailed
-from sdfarm.worker import protocol
+from sdfarm.client.farm import Farm, FarmBusyError, Job, JobFailed
+from sdfarm.store import JobSpec, Store
 
 F16, Q8 = "tiny-f16", "tiny-q8_0"
 SMALL = {"width": 64, "height": 64, "steps": 1}
@@ -52,7 +50,7 @@ class Cluster:
         self.logs = logs
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self.stopped: set[str] = set()  # killed on purpose: their exit is no failure
-        self.r = redis.Redis.from_url(url)
+        self.store = Store.connect(url)
 
     def _spawn(self, name: str, args: list[str], env: dict[str, str] | None = None) -> None:
         with open(self.logs / f"{name}.log", "ab") as out:
@@ -74,8 +72,7 @@ class Cluster:
         self._spawn(host, args, {"SDFARM_TEST_HOOKS": "1"} if hooks else None)
 
     def heartbeat(self, host: str) -> dict[str, Any] | None:
-        raw = self.r.get(protocol.heartbeat_key(f"{host}/CPU"))
-        return json.loads(raw) if raw else None
+        return self.store.heartbeat(f"{host}/CPU")
 
     def wait_for(self, what: str, check: Callable[[], Any], timeout: float = TIMEOUT) -> Any:
         deadline = time.monotonic() + timeout
@@ -93,7 +90,7 @@ class Cluster:
 
     def ready(self, *hosts: str) -> None:
         self.wait_for(f"heartbeats of {hosts}", lambda: all(self.heartbeat(h) for h in hosts))
-        self.wait_for("a leader", lambda: self.r.get(protocol.LEADER_KEY))
+        self.wait_for("a leader", self.store.lease_holder)
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> int:
         self.stopped.add(name)
@@ -107,9 +104,10 @@ class Cluster:
             return job.result(timeout)
         except TimeoutError:
             lines = [f"job {job.id} timed out: {job.record()}", f"events: {job.events()}"]
-            for key in sorted(protocol.decode(k) for k in self.r.smembers(protocol.DEVICES_KEY)):
-                hb = json.loads(self.r.get(protocol.heartbeat_key(key)) or "{}")
-                running = self.r.hgetall(protocol.running_key(key))
+            reading = self.store.snapshot()
+            for key in sorted(reading.known):
+                hb = reading.heartbeats.get(key) or {}
+                running = reading.running.get(key)
                 lines.append(f"{key}: {hb.get('incarnation')} {hb.get('state')} {running}")
             lines += [f"--- {n}\n{self.log(n)}" for n in self.procs]
             raise AssertionError("\n".join(lines)) from None
@@ -131,7 +129,7 @@ class Cluster:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-        self.r.close()
+        self.store.close()
 
 
 @pytest.fixture
@@ -164,10 +162,10 @@ def loads(jobs: list[Job]) -> Counter[tuple[str, str]]:
 
 
 def hook_job(farm: Farm, hook: str, model: str = F16, **kw: Any) -> Job:
-    """A job whose params carry a test hook (honoured only by workers with SDFARM_TEST_HOOKS)."""
+    """A job carrying a test hook (honoured only by workers with SDFARM_TEST_HOOKS)."""
     params = {"prompt": f"hook {hook}", "negative_prompt": "", "seed": 1, **SMALL}
-    params["extra"] = {"test_hook": hook}
-    return farm.submit_spec(protocol.JobSpec(model=model, params=params, submitter="tests", **kw))
+    spec = JobSpec(model=model, params=params, submitter="tests", test_hook=hook, **kw)
+    return farm.submit_spec(spec)
 
 
 def test_jobs_go_where_their_model_is_loaded(cluster: Cluster, farm: Farm) -> None:
@@ -251,7 +249,7 @@ def test_interactive_jobs_overtake_a_batch_and_submitters_share(
 
 def test_queue_limit_says_busy(cluster: Cluster, farm: Farm, redis_url: str) -> None:
     cluster.scheduler("sched", "--queue-limit", "3")
-    cluster.wait_for("the config", lambda: cluster.r.hget(protocol.CONFIG_KEY, "queue_limit"))
+    cluster.wait_for("the config", lambda: cluster.store.queues()["config"].get("queue_limit"))
     jobs = [farm.submit(F16, f"p{i}", **SMALL) for i in range(3)]  # no workers: they wait
     with pytest.raises(FarmBusyError) as info:
         farm.submit(F16, "one too many", **SMALL)
@@ -266,7 +264,7 @@ def test_standby_takes_over_when_the_leader_dies(cluster: Cluster, farm: Farm) -
     cluster.scheduler("s1")
     cluster.ready("solo")
     cluster.scheduler("s2")
-    leader = cluster.r.get(protocol.LEADER_KEY).decode()
+    leader = cluster.store.lease_holder()
     first = "s1" if f":{cluster.procs['s1'].pid}:" in leader else "s2"
     second = "s2" if first == "s1" else "s1"
 
@@ -275,13 +273,13 @@ def test_standby_takes_over_when_the_leader_dies(cluster: Cluster, farm: Farm) -
     cluster.kill(first)  # SIGKILL: no release, the standby waits out the lease
     for job in jobs:
         assert cluster.result(job).png
-    new = cluster.r.get(protocol.LEADER_KEY).decode()
+    new = cluster.store.lease_holder()
     assert f":{cluster.procs[second].pid}:" in new
     more = farm.submit(F16, "after failover", **SMALL)
     assert more.result(TIMEOUT).png
     # A clean stop releases the lease at once.
     assert cluster.kill(second, signal.SIGTERM) == 0
-    assert cluster.r.get(protocol.LEADER_KEY) is None
+    assert cluster.store.lease_holder() is None
 
 
 def test_jobs_of_a_killed_worker_finish_once_elsewhere(cluster: Cluster, farm: Farm) -> None:
@@ -330,8 +328,8 @@ def test_leader_lease_and_fence(redis_url: str) -> None:
     from sdfarm.scheduler.dispatch import Dispatcher, NotLeader
     from sdfarm.scheduler.leader import LeaderLock
 
-    r = redis.Redis.from_url(redis_url)
-    a, b = LeaderLock(r, "a", ttl_ms=300), LeaderLock(r, "b", ttl_ms=300)
+    store = Store.connect(redis_url)
+    a, b = LeaderLock(store, "a", ttl_ms=300), LeaderLock(store, "b", ttl_ms=300)
     assert a.acquire() and a.fresh and a.held
     assert not b.acquire() and not b.held
     assert a.acquire() and not a.fresh  # still ours: a renewal, not a new term
@@ -341,11 +339,11 @@ def test_leader_lease_and_fence(redis_url: str) -> None:
     assert not a.acquire()
     # A stale leader's writes are fenced off even if it has not noticed yet.
     job = Farm(redis_url).submit(F16, "fenced", **SMALL)
-    stale = Dispatcher(r, "a", lambda *args: None)
+    stale = Dispatcher(store, "a", lambda *args: None)
     with pytest.raises(NotLeader):
         stale._lost(
             job.id, {"state": "queued", "dispatch": "", "priority": "5"}, "h/CPU", "x", False
         )
     assert job.state() == "queued"
-    assert b.release() and r.get(protocol.LEADER_KEY) is None
+    assert b.release() and store.lease_holder() is None
     assert not a.release()

@@ -1,6 +1,7 @@
 """The worker against a real redis-server, real worker processes and the real runtime running
-the tiny model, without any scheduler: each test writes a job record in state `placed` with a
-dispatch id, sends the Celery task to the device's queue, and reads what the worker wrote.
+the tiny model, without any scheduler: each test submits a job and places it through the store
+(playing the leader), sends the Celery task to the device's queue, and reads what the worker
+wrote.
 
 Two workers per module: `plain` (test hooks off, as in production) and `hooked`
 (SDFARM_TEST_HOOKS=1, for the tests that end the worker's process on purpose).
@@ -23,8 +24,9 @@ import pytest
 
 from sdfarm.native.devices import Device, HostFigures
 from sdfarm.native.png import read_params
+from sdfarm.store import JobSpec, Store, keys, transport
+from sdfarm.store.records import new_dispatch_id
 from sdfarm.worker import hooks
-from sdfarm.worker import protocol as P
 
 SMALL = {"prompt": "a red cat", "width": 64, "height": 64, "steps": 1, "seed": 7}
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -34,11 +36,9 @@ class Worker:
     """One `python -m sdfarm.worker.main` process on the CPU under a unique host name."""
 
     def __init__(self, url: str, models: Path, log: Path, env: dict[str, str]) -> None:
-        import redis
-
         self.host = f"wt-{uuid.uuid4().hex[:8]}"
-        self.key = P.device_key(self.host, "CPU")
-        self.redis = redis.Redis.from_url(url)
+        self.key = keys.device_key(self.host, "CPU")
+        self.store = Store.connect(url)
         self.log = log
         cmd = [
             sys.executable, "-m", "sdfarm.worker.main", "--device", "cpu", "--redis", url,
@@ -54,11 +54,9 @@ class Worker:
     def heartbeat(self, timeout: float = 30.0, until: Callable[[dict], bool] | None = None) -> dict:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            raw = self.redis.get(P.heartbeat_key(self.key))
-            if raw:
-                doc = json.loads(raw)
-                if until is None or until(doc):
-                    return doc
+            doc = self.store.heartbeat(self.key)
+            if doc is not None and (until is None or until(doc)):
+                return doc
             assert self.proc.poll() is None, f"worker exited: {self.log.read_text()[-3000:]}"
             time.sleep(0.1)
         raise AssertionError(f"no matching heartbeat within {timeout} s: {self.log.read_text()}")
@@ -75,15 +73,15 @@ class Worker:
 
 
 class Farm:
-    """Just enough of a scheduler and a client to drive one worker."""
+    """Just enough of a scheduler and a client to drive one worker, through the store."""
+
+    TOKEN = "test-worker-leader"
 
     def __init__(self, url: str) -> None:
-        import redis
-
         from sdfarm.worker.app import make_app
 
-        # redis-py 8 reads with a 5 s socket timeout by default: BLPOP needs longer.
-        self.redis = redis.Redis.from_url(url, socket_timeout=120)
+        # redis-py 8 reads with a 5 s socket timeout by default: a wait needs longer.
+        self.store = Store.connect(url, socket_timeout=120)
         self.app = make_app(url)
 
     def place(
@@ -93,41 +91,46 @@ class Farm:
         model: str = "tiny-f16",
         *,
         log_level: str = "info",
+        test_hook: str | None = None,
         send: bool = True,
         send_dispatch: str | None = None,
         before_send: Callable[[str], None] | None = None,
     ) -> str:
-        """Write a placed job record (as the scheduler would) and send its task."""
-        job_id, dispatch = P.new_job_id(), uuid.uuid4().hex
-        spec = P.JobSpec(model=model, params=dict(params or SMALL), log_level=log_level)
-        record = P.new_job_record(job_id, spec, 0)
-        record.update(state="placed", device=worker.key, dispatch=dispatch)
-        self.redis.hset(P.job_key(job_id), mapping=record)
-        self.redis.hset(P.running_key(worker.key), job_id, dispatch)
+        """Submit a job and place it on `worker` as the scheduler would, then send its task
+        (the placement's own message goes to a list nobody reads, so a test can act between
+        the placement and the message)."""
+        spec = JobSpec(
+            model=model, params=dict(params or SMALL), log_level=log_level, test_hook=test_hook
+        )
+        job_id, _, _ = self.store.submit(spec, 10_000)
+        assert job_id is not None
+        if not self.store.take_lease(self.TOKEN, 3_600_000):
+            assert self.store.renew_lease(self.TOKEN, 3_600_000)
+        dispatch = new_dispatch_id()
+        held = (transport.queue_name("held/none"), "{}")
+        rc = self.store.place(self.TOKEN, job_id, 5, worker.key, dispatch, 0, "test", (), held)
+        assert rc == 1
         if before_send:
             before_send(job_id)
         if send:
-            self.app.send_task(
-                P.TASK_NAME,
-                args=[job_id, send_dispatch or dispatch],
-                queue=P.queue_name(worker.key),
-            )
+            transport.send(self.app, job_id, send_dispatch or dispatch, worker.key)
         return job_id
 
     def wait(self, job_id: str, timeout: float = 30.0) -> str:
-        got = self.redis.blpop([P.done_key(job_id)], timeout=timeout)
-        assert got is not None, f"job {job_id} did not end: {self.job(job_id)}"
-        self.redis.rpush(P.done_key(job_id), got[1])  # leave the token for other readers
-        return got[1].decode()
+        assert self.store.wait(job_id, timeout), f"job {job_id} did not end: {self.job(job_id)}"
+        return self.store.state(job_id)
 
     def job(self, job_id: str) -> dict[str, str]:
-        return {k.decode(): v.decode() for k, v in self.redis.hgetall(P.job_key(job_id)).items()}
+        return self.store.record(job_id)
 
-    def result(self, job_id: str) -> dict[str, bytes]:
-        return {k.decode(): v for k, v in self.redis.hgetall(P.result_key(job_id)).items()}
+    def result(self, job_id: str) -> Any:
+        return self.store.ended(job_id)
 
     def events(self, job_id: str) -> list[str]:
-        return [e["event"] for e in P.read_events(self.redis, job_id)]
+        return [e["event"] for e in self.store.events(job_id)]
+
+    def running(self, device_key: str) -> dict[str, str]:
+        return self.store.snapshot().running.get(device_key, {})
 
     def wait_state(self, job_id: str, state: str, timeout: float = 20.0) -> None:
         deadline = time.monotonic() + timeout
@@ -178,14 +181,14 @@ def test_job_result_holds_png_metadata_records_and_heartbeat(farm: Farm, plain: 
     assert job["state"] == "done" and job["error"] == ""
     assert float(job["ended"]) >= float(job["started"]) >= float(job["created"])
     assert json.loads(job["records"]), "load records stored before generating"
-    assert farm.redis.hget(P.running_key(plain.key), job_id) is None
-    assert farm.redis.lindex(P.RECENT_KEY, 0) == job_id.encode()  # the status page's thumbnails
+    assert job_id not in farm.running(plain.key)
+    assert farm.store.recent(1) == [job_id]  # the status page's thumbnails
 
     res = farm.result(job_id)
-    assert res["count"] == b"1" and res["png:0"].startswith(PNG_MAGIC)
-    chunk = read_params(res["png:0"])
+    assert len(res.pngs) == 1 and res.pngs[0].startswith(PNG_MAGIC)
+    chunk = read_params(res.pngs[0])
     assert chunk["prompt"] == "a red cat" and chunk["seed"] == 7 and chunk["model"] == "tiny-f16"
-    meta = json.loads(res["meta"])
+    meta = res.meta
     assert meta["job"] == job_id and meta["model"] == "tiny-f16"
     assert meta["host"] == plain.host and meta["device"] == "CPU"
     assert meta["fit_plan"]["device"] == "CPU" and meta["warnings"] == []
@@ -193,14 +196,14 @@ def test_job_result_holds_png_metadata_records_and_heartbeat(farm: Farm, plain: 
     for name in ("queued_s", "load_s", "generate_s", "encode_s"):
         assert timings[name] >= 0, name
     assert timings["load_s"] > 0
-    records = json.loads(res["records"])
+    records = res.records
     assert records and all(r["message"].startswith("stable_diffusion: ") for r in records)
     assert any("generate_image" in r["message"] for r in records)
 
     events = farm.events(job_id)
-    assert events[:3] == ["running", "loading", "loaded"] and events[-1] == "done"
-    assert "step" in events
-    progress = json.loads(farm.redis.get(P.progress_key(job_id)))
+    assert events[:5] == ["queued", "placed", "running", "loading", "loaded"]
+    assert "step" in events and events[-1] == "done"
+    progress = farm.store.progress(job_id)
     assert progress["step"] == progress["steps"] == 1
 
     hb = plain.heartbeat(until=lambda d: any(m["name"] == "tiny-f16" for m in d["loaded"]))
@@ -210,7 +213,7 @@ def test_job_result_holds_png_metadata_records_and_heartbeat(farm: Farm, plain: 
     assert hb["models"]["tiny-f16"]["decode_per_pixel"] == 0  # a CPU worker: no im2col term
     assert hb["compute_figure"] <= hb["capacity"] and hb["queue"] == 0
     assert hb["version"]["sd"].startswith("master-596")
-    assert farm.redis.sismember(P.DEVICES_KEY, plain.key)
+    assert plain.key in farm.store.snapshot().known
     # The runtime lives only in the pool process, never in the parent that forks it.
     assert "libstable-diffusion" not in Path(f"/proc/{plain.proc.pid}/maps").read_text()
     assert "libstable-diffusion" in Path(f"/proc/{hb['pid']}/maps").read_text()
@@ -222,9 +225,9 @@ def test_second_job_for_the_same_model_does_not_load_again(farm: Farm, plain: Wo
     second = farm.place(plain, {**SMALL, "seed": 8}, log_level="none")
     assert farm.wait(second) == "done"
     assert "loading" not in farm.events(second)
-    meta = json.loads(farm.result(second)["meta"])
+    meta = farm.result(second).meta
     assert meta["timings"]["load_s"] == 0 and meta["seed"] == 8
-    assert json.loads(farm.result(second)["records"]) == []  # log_level none
+    assert farm.result(second).records == []  # log_level none
 
 
 def test_stale_dispatch_is_dropped(farm: Farm, plain: Worker) -> None:
@@ -233,7 +236,8 @@ def test_stale_dispatch_is_dropped(farm: Farm, plain: Worker) -> None:
     assert farm.wait(after) == "done"
     job = farm.job(stale)
     assert job["state"] == "placed" and "started" not in job and "incarnation" not in job
-    assert not farm.redis.exists(P.result_key(stale), P.done_key(stale), P.events_key(stale))
+    assert farm.events(stale) == ["queued", "placed"]  # never claimed
+    assert set(farm.store.ttls(stale)) == {keys.job_key(stale), keys.events_key(stale)}
 
 
 def test_invalid_param_fails_the_job_and_the_worker_serves_the_next(
@@ -245,7 +249,7 @@ def test_invalid_param_fails_the_job_and_the_worker_serves_the_next(
     job = farm.job(bad)
     assert "width" in job["error"] and "64..4096" in job["error"]
     assert "failed" in farm.events(bad)
-    assert json.loads(farm.result(bad)["meta"])["error"] == job["error"]
+    assert farm.result(bad).meta["error"] == job["error"]
     good = farm.place(plain)
     assert farm.wait(good) == "done"
     assert plain.heartbeat()["incarnation"] == before  # the same process went on
@@ -277,23 +281,23 @@ def test_cancel_of_a_job_queued_on_the_device(farm: Farm, plain: Worker) -> None
     before = plain.heartbeat()["incarnation"]
 
     def cancel(job_id: str) -> None:
-        farm.redis.set(P.cancel_key(job_id), "1")
+        assert farm.store.cancel(job_id) == 2  # placed: a request for its worker
 
     job_id = farm.place(plain, before_send=cancel)
     assert farm.wait(job_id) == "cancelled"
     assert farm.job(job_id)["state"] == "cancelled"
-    assert not farm.redis.exists(P.result_key(job_id))
-    assert farm.redis.hget(P.running_key(plain.key), job_id) is None
+    assert farm.result(job_id).meta == {} and farm.result(job_id).pngs == []
+    assert job_id not in farm.running(plain.key)
     assert plain.heartbeat()["incarnation"] == before  # not running: no process was ended
 
 
 def test_test_hooks_are_inert_without_the_environment(farm: Farm, plain: Worker) -> None:
-    spec = {"model": "m", "params": {"prompt": "x", "extra": {"test_hook": "abort"}}}
+    spec = {"model": "m", "params": {"prompt": "x"}, "test_hook": "abort"}
     assert hooks.test_hook(spec, environ={}) is None
     assert hooks.test_hook(spec, environ={"SDFARM_TEST_HOOKS": "0"}) is None
     assert hooks.test_hook(spec, environ={"SDFARM_TEST_HOOKS": "1"}) == "abort"
     before = plain.heartbeat()["incarnation"]
-    job_id = farm.place(plain, {**SMALL, "extra": {"test_hook": "abort"}})
+    job_id = farm.place(plain, test_hook="abort")
     assert farm.wait(job_id) == "done"
     assert plain.heartbeat()["incarnation"] == before
 
@@ -307,13 +311,13 @@ def test_cancel_while_running_ends_the_process_and_the_next_job_runs(
     first = farm.place(hooked)
     assert farm.wait(first) == "done"  # something finished before the cancel: kept
     before = hooked.heartbeat()["incarnation"]
-    job_id = farm.place(hooked, {**SMALL, "extra": {"test_hook": "sleep:60"}})
+    job_id = farm.place(hooked, test_hook="sleep:60")
     farm.wait_state(job_id, "running")
     t = time.monotonic()
-    farm.redis.set(P.cancel_key(job_id), "1")
+    assert farm.store.cancel(job_id) == 2
     assert farm.wait(job_id, timeout=10) == "cancelled"
     assert time.monotonic() - t < 5
-    assert farm.result(first)["count"] == b"1"
+    assert len(farm.result(first).pngs) == 1
     hb = hooked.heartbeat(until=lambda d: d["incarnation"] != before)
     assert hb["loaded"] == []  # a fresh process: the engine goes with the old one
     nxt = farm.place(hooked)
@@ -325,11 +329,11 @@ def test_abort_leaves_the_job_running_for_the_scheduler_to_recover(
     farm: Farm, hooked: Worker
 ) -> None:
     before = hooked.heartbeat()["incarnation"]
-    job_id = farm.place(hooked, {**SMALL, "extra": {"test_hook": "abort"}})
+    job_id = farm.place(hooked, test_hook="abort")
     hb = hooked.heartbeat(until=lambda d: d["incarnation"] != before)
     job = farm.job(job_id)
     assert job["state"] == "running" and job["incarnation"] == before != hb["incarnation"]
-    assert not farm.redis.exists(P.done_key(job_id))
+    assert keys.done_key(job_id) not in farm.store.ttls(job_id)
     nxt = farm.place(hooked)
     assert farm.wait(nxt) == "done"
 
@@ -342,18 +346,20 @@ def test_a_result_above_the_cap_fails_with_a_clear_error(farm: Farm) -> None:
 
     from sdfarm.worker.results import Finished, Uploader
 
-    job_id, dispatch, key = P.new_job_id(), "d1", "cap-host/CPU"
-    farm.redis.hset(P.job_key(job_id), mapping={"state": "running", "dispatch": dispatch})
-    up = Uploader(farm.redis, key, max_result_bytes=100)
+    key = "cap-host/CPU"
+    worker = type("W", (), {"key": key})()
+    job_id = farm.place(worker, send=False)
+    dispatch = farm.job(job_id)["dispatch"]
+    assert farm.store.claim(job_id, dispatch, "incarnation", "cap-worker") is not None
+    up = Uploader(farm.store, key, max_result_bytes=100)
     image = Image.new("RGB", (64, 64), (200, 10, 10))
     assert up.write(Finished(job_id, dispatch, "done", meta={"prompt": "x"}, images=[image]))
     job = farm.job(job_id)
     assert job["state"] == "failed" and "result too large" in job["error"]
-    assert "png:0" not in farm.result(job_id)
-    # and a job that is no longer ours is left alone
-    farm.redis.hset(P.job_key(job_id), mapping={"state": "placed", "dispatch": "d2"})
+    assert farm.result(job_id).pngs == []
+    # and a job that is no longer ours (it ended) is left alone
     assert not up.write(Finished(job_id, dispatch, "done", images=[image]))
-    assert farm.job(job_id)["state"] == "placed"
+    assert farm.job(job_id)["state"] == "failed"
 
 
 def test_device_figures_for_cpu_and_gpu() -> None:

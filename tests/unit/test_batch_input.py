@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from sdfarm.scheduler.batch import (
+from sdfarm.client.batch import (
     BatchInputError,
     BatchItem,
     Summary,

@@ -11,25 +11,16 @@ import time
 from pathlib import Path
 from typing import Any
 
+from sdfarm.cli.options import given_params
 from sdfarm.native.catalog import resolve
 from sdfarm.native.engine import Engine, LogConfig
-from sdfarm.native.params import GenerationParams, validate
+from sdfarm.native.params import GenerationParams, from_mapping, validate
 from sdfarm.native.png import png_bytes
 
 
 def params_from_args(args: argparse.Namespace) -> GenerationParams:
-    return GenerationParams(
-        prompt=args.prompt,
-        negative_prompt=args.negative_prompt,
-        width=args.width,
-        height=args.height,
-        steps=args.steps,
-        seed=args.seed,
-        cfg_scale=args.cfg_scale,
-        sampler=args.sampler,
-        scheduler=args.scheduler,
-        batch_count=args.batch_count,
-    )
+    """Every generation parameter from its flag (sdfarm.cli.options)."""
+    return from_mapping({"prompt": args.prompt, **given_params(args)})
 
 
 def _progress_printer(enabled: bool):
@@ -46,7 +37,7 @@ def generate_in_process(args: argparse.Namespace) -> dict[str, Any]:
     """Validate (before anything native), load, generate, write the PNG(s); return the JSON
     document that `--json` prints."""
     params = validate(params_from_args(args))
-    log = LogConfig(level=args.log_level, log_prompts=args.log_prompts)
+    log = LogConfig(level=args.log_level or "none", log_prompts=args.log_prompts)
     model = resolve(args.model, args.models)
     t0 = time.monotonic()
     engine = Engine.load(
@@ -71,7 +62,7 @@ def generate_in_process(args: argparse.Namespace) -> dict[str, Any]:
     outputs = []
     for i, image in enumerate(result.images):
         path = out if i == 0 else out.with_name(f"{out.stem}-{i}{out.suffix}")
-        path.write_bytes(png_bytes(image, result.metadata))
+        path.write_bytes(png_bytes(image, {**result.metadata, "seed": result.metadata["seeds"][i]}))
         outputs.append(str(path))
     meta = dict(result.metadata)
     meta["timings"] = {

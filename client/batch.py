@@ -26,20 +26,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-# Per-item fields an input may set, with the type each is converted to.
-ITEM_FIELDS: dict[str, type] = {
-    "negative_prompt": str,
-    "seed": int,
-    "width": int,
-    "height": int,
-    "steps": int,
-    "cfg_scale": float,
-    "sampler": str,
-}
+from sdfarm.native.params import PARAMS
+from sdfarm.store import FINAL_STATES
+
+ITEM_FIELDS: dict[str, type] = {p.name: p.python_type for p in PARAMS if p.name != "prompt"}
+"""Per-item fields an input may set (every generation parameter, sdfarm.native.params), with
+the type each is converted to; the job schema checks their ranges when the item is queued."""
 FORMATS = ("text", "csv", "jsonl")
 SLUG_CHARS = 40
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
-FINAL_STATES = ("done", "failed", "cancelled")
 
 
 class BatchInputError(ValueError):

@@ -19,7 +19,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from sdfarm.scheduler.cli import EXIT_FARM, emit, error_doc, exit_code
+from sdfarm.cli.main import EXIT_FARM, emit, error_doc, exit_code
+from sdfarm.cli.options import add_option_flags, add_param_flags, given_options, given_params
 
 EXIT_BATCH_FAILED = 1
 
@@ -64,7 +65,7 @@ def farm_url(
     explicit: str | None, models_dirs: list[Path], threads: int | None = None
 ) -> Iterator[str]:
     """A running farm's URL, else a private LocalFarm's for the duration of the block."""
-    from sdfarm.scheduler.state import find_redis_url
+    from sdfarm.localfarm.state import find_redis_url
 
     url = find_redis_url(explicit)
     if url:
@@ -75,7 +76,7 @@ def farm_url(
             "no farm running (no --redis, $SDFARM_REDIS_URL or `sdfarm up`) and no model "
             "directory to start one: give --models DIR or set SDFARM_MODELS"
         )
-    from sdfarm.scheduler.localfarm import LocalFarm
+    from sdfarm.localfarm.farm import LocalFarm
 
     _err("no farm running: starting a local one for this command")
     with LocalFarm(models_dirs, threads=threads, announce=False) as farm:
@@ -83,13 +84,13 @@ def farm_url(
 
 
 def _connect(url: str) -> Any:
-    from sdfarm.scheduler.client import Farm
+    from sdfarm.client.farm import Farm
 
     return Farm(url)
 
 
 def _need_url(args: argparse.Namespace) -> str:
-    from sdfarm.scheduler.state import find_redis_url
+    from sdfarm.localfarm.state import find_redis_url
 
     url = find_redis_url(getattr(args, "redis", None))
     if not url:
@@ -109,8 +110,8 @@ def _raise_interrupt(signum: int, frame: Any) -> None:
 
 def cmd_up(args: argparse.Namespace) -> int:
     """The local farm in the foreground until Ctrl-C (or SIGTERM), then a clean stop."""
-    from sdfarm.scheduler.localfarm import LocalFarm
-    from sdfarm.scheduler.state import state_dir, state_path
+    from sdfarm.localfarm.farm import LocalFarm
+    from sdfarm.localfarm.state import state_dir, state_path
 
     dirs = _models_dirs(args.models)
     if not dirs:
@@ -202,17 +203,6 @@ def cmd_gateway(args: argparse.Namespace) -> int:
 # -- batch ---------------------------------------------------------------------------------------
 
 
-def _common_params(args: argparse.Namespace) -> dict[str, Any]:
-    """Only the flags the user gave: the job's defaults are the farm's, and an item's own
-    fields always win."""
-    out = {}
-    for name in ("negative_prompt", "width", "height", "steps", "seed", "cfg_scale", "sampler"):
-        value = getattr(args, name, None)
-        if value is not None:
-            out[name] = value
-    return out
-
-
 def _progress(enabled: bool, total: int, skipped: int) -> Any:
     from rich.console import Console
     from rich.progress import (
@@ -238,7 +228,7 @@ def _progress(enabled: bool, total: int, skipped: int) -> Any:
 
 
 def cmd_batch(args: argparse.Namespace) -> int:
-    from sdfarm.scheduler.batch import (
+    from sdfarm.client.batch import (
         BatchInputError,
         existing_files,
         read_items,
@@ -255,7 +245,7 @@ def cmd_batch(args: argparse.Namespace) -> int:
     model, dirs = _split_model(args.model, _models_dirs(args.models))
     if not todo:
         # Nothing to render: no farm is needed (and none is started) to say so.
-        from sdfarm.scheduler.batch import Summary
+        from sdfarm.client.batch import Summary
 
         summary = Summary(total=len(items), skipped=len(items), out=str(out), model=model)
         _report(args, summary)
@@ -277,8 +267,8 @@ def cmd_batch(args: argparse.Namespace) -> int:
                     items,
                     out,
                     model,
-                    common=_common_params(args),
-                    priority=args.priority,
+                    common=given_params(args),
+                    priority=9 if args.priority is None else args.priority,
                     in_flight=args.in_flight,
                     on_progress=on_progress,
                     submitter=args.submitter,
@@ -404,24 +394,15 @@ def generate_on_farm(args: argparse.Namespace) -> int:
     model, dirs = _split_model(args.model, _models_dirs(args.models))
     if args.device != "auto" or args.no_check_memory:
         _err("note: --device and --no-check-memory apply to --in-process; the farm places jobs")
-    params = {
-        "negative_prompt": args.negative_prompt,
-        "width": args.width,
-        "height": args.height,
-        "steps": args.steps,
-        "seed": args.seed,
-        "cfg_scale": args.cfg_scale,
-        "sampler": args.sampler,
-        "scheduler": args.scheduler,
-        "batch_count": args.batch_count,
-    }
+    params = given_params(args)
+    options = {"priority": 0, **given_options(args)}
     try:
-        from sdfarm.native.params import GenerationParams, validate
+        from sdfarm.native.params import from_mapping, validate
 
-        validate(GenerationParams(prompt=args.prompt, **params))
+        validate(from_mapping({"prompt": args.prompt, **params}))
         with farm_url(args.redis, dirs, args.threads) as url:
             farm = _connect(url)
-            job = farm.submit(model, args.prompt, **params, priority=0, **_log_options(args))
+            job = farm.submit(model, args.prompt, **params, **options)
             result = job.result(args.timeout)
     except KeyboardInterrupt:
         return 130
@@ -452,15 +433,6 @@ def generate_on_farm(args: argparse.Namespace) -> int:
             if isinstance(r, dict):
                 print(f"[{r.get('level')}] {r.get('message')}", file=sys.stderr)
     return 0
-
-
-def _log_options(args: argparse.Namespace) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    if getattr(args, "log_level", "none") != "none":
-        out["log_level"] = args.log_level
-    if getattr(args, "log_prompts", False):
-        out["log_prompts"] = True
-    return out
 
 
 # -- parser --------------------------------------------------------------------------------------
@@ -507,16 +479,9 @@ def add_farm_commands(sub: Any) -> None:
     b.add_argument("--model", required=True)
     _models_arg(b, "model directories, used only to start a local farm when none runs")
     b.add_argument("--format", choices=("text", "csv", "jsonl"), default=None)
-    b.add_argument("--negative-prompt", default=None)
-    b.add_argument("--width", type=int, default=None)
-    b.add_argument("--height", type=int, default=None)
-    b.add_argument("--steps", type=int, default=None)
-    b.add_argument("--seed", type=int, default=None)
-    b.add_argument("--cfg-scale", type=float, default=None)
-    b.add_argument("--sampler", default=None)
-    b.add_argument("--priority", type=int, default=9, help="0 (first) .. 9 (default: batch)")
+    add_param_flags(b, defaults=False)
+    add_option_flags(b, "priority", "submitter")
     b.add_argument("--in-flight", type=int, default=8, help="jobs queued on the farm at once")
-    b.add_argument("--submitter", default=None, help="the name fair share counts by")
     b.add_argument("--threads", type=int, default=None, help="for a local farm started here")
     b.add_argument("--quiet", action="store_true", help="no progress bar")
     _redis_arg(b)

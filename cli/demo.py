@@ -33,8 +33,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from sdfarm.scheduler import cli
-    from sdfarm.scheduler.batch import existing_files, read_items, split_done
+    from sdfarm.cli import main as cli
+    from sdfarm.client.batch import existing_files, read_items, split_done
 
     models = Path(args.models).resolve()
     if not (models / args.model / "model.json").is_file():
@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     if not todo:
         return cli.main(batch)  # everything is there: the summary says so, no farm needed
 
-    from sdfarm.scheduler.localfarm import LocalFarm
+    from sdfarm.localfarm.farm import LocalFarm
 
     t0 = time.monotonic()
     print("starting a local farm (redis-server, scheduler, workers)", file=sys.stderr)

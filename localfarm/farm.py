@@ -25,8 +25,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from sdfarm.scheduler import state as farm_state
-from sdfarm.scheduler.redis_server import RedisServer, _die_with_parent
+from sdfarm.localfarm import state as farm_state
+from sdfarm.localfarm.redis_server import RedisServer, _die_with_parent
 
 
 class LocalFarmError(RuntimeError):
@@ -151,18 +151,19 @@ class LocalFarm:
             )
         self.logs[role] = log
 
-    def heartbeat_keys(self) -> dict[str, str]:
-        from sdfarm.worker import protocol
+    def device_keys(self) -> dict[str, str]:
+        """{device: its `{host}/{device}` key in the farm} for the workers started here."""
+        from sdfarm.store.keys import device_key
 
-        return {d: protocol.heartbeat_key(protocol.device_key(self.host, d)) for d in self.devices}
+        return {d: device_key(self.host, d) for d in self.devices}
 
     def _wait_ready(self) -> None:
         """Until every worker's heartbeat is in Redis; an exited child or the timeout is an
         error quoting that child's output."""
-        import redis
+        from sdfarm.store import Store
 
-        client = redis.Redis.from_url(self.url)
-        waiting = self.heartbeat_keys()
+        store = Store.connect(self.url)
+        waiting = self.device_keys()
         deadline = time.monotonic() + self.ready_timeout
         try:
             while waiting:
@@ -172,8 +173,8 @@ class LocalFarm:
                             f"{role} exited with {proc.returncode} while the farm started:\n"
                             f"{_tail(self.logs[role])}"
                         )
-                for device, hb in list(waiting.items()):
-                    if client.exists(hb):
+                for device, key in list(waiting.items()):
+                    if store.heartbeat(key) is not None:
                         del waiting[device]
                 if not waiting:
                     break
@@ -182,11 +183,11 @@ class LocalFarm:
                     role = f"worker:{device}"
                     raise LocalFarmError(
                         f"no heartbeat from {role} within {self.ready_timeout:.0f} s "
-                        f"(expected key {waiting[device]}):\n{_tail(self.logs[role])}"
+                        f"(device {waiting[device]}):\n{_tail(self.logs[role])}"
                     )
                 time.sleep(0.1)
         finally:
-            client.close()
+            store.close()
 
     # -- running -------------------------------------------------------------------------------
 

@@ -1,4 +1,4 @@
-"""The scheduler's outbox and snapshot script against a real Redis and Celery's own messages.
+"""The transport's outbox against a real Redis and Celery's own messages.
 
 That a rendered message really runs on a worker is shown by every farm test (each job
 travels this way); here: the template is what Celery sent, nothing of the probe is left
@@ -14,10 +14,15 @@ import json
 import pytest
 import redis
 
-from sdfarm.scheduler.outbox import CeleryOutbox, TemplateError, check_template, render
-from sdfarm.scheduler.registry import Registry
-from sdfarm.worker import protocol
-from sdfarm.worker.app import make_app
+from sdfarm.store.transport import (
+    TASK_NAME,
+    CeleryOutbox,
+    TemplateError,
+    check_template,
+    make_app,
+    queue_name,
+    render,
+)
 
 
 @pytest.fixture
@@ -32,14 +37,14 @@ def _body(doc: dict) -> list:
 def test_capture_leaves_nothing_behind_and_keeps_celerys_layout(outbox: CeleryOutbox) -> None:
     template = outbox.capture()
     assert outbox.r.keys("*") == []  # probe queue and kombu's bindings removed
-    assert template["headers"]["task"] == protocol.TASK_NAME
+    assert template["headers"]["task"] == TASK_NAME
     assert _body(template)[0] == ["<job>", "<dispatch>"]
 
 
 def test_messages_carry_their_job_and_fresh_ids(outbox: CeleryOutbox) -> None:
     queue, raw = outbox.message("job1", "disp1", "hostA/CUDA0")
     _, raw2 = outbox.message("job2", "disp2", "hostA/CUDA0")
-    assert queue == protocol.queue_name("hostA/CUDA0") == "sdfarm.hostA.CUDA0"
+    assert queue == queue_name("hostA/CUDA0") == "sdfarm.hostA.CUDA0"
     a, b = json.loads(raw), json.loads(raw2)
     assert _body(a)[0] == ["job1", "disp1"] and _body(b)[0] == ["job2", "disp2"]
     assert a["headers"]["id"] == a["properties"]["correlation_id"] == a["headers"]["root_id"]
@@ -84,20 +89,3 @@ def test_render_does_not_touch_the_template(outbox: CeleryOutbox) -> None:
     before = copy.deepcopy(template)
     render(template, "j", "d", "q")
     assert template == before
-
-
-def test_snapshot_reads_heads_with_their_fields_and_clears_wake(redis_url: str) -> None:
-    r = redis.Redis.from_url(redis_url)
-    for i in range(6):
-        r.hset(protocol.job_key(f"j{i}"), mapping={"state": "queued", "model": f"m{i}"})
-        r.rpush(protocol.pending_key(5), f"j{i}")
-    r.rpush(protocol.pending_key(0), "urgent")
-    r.lpush(protocol.WAKE_KEY, "1", "1")
-    snap = Registry(r).snapshot(heads=5, facts=2)
-    assert snap.heads[5] == ["j0", "j1", "j2", "j3", "j4"] and snap.heads[0] == ["urgent"]
-    assert snap.head_fields["j0"][:2] == ["queued", "m0"]
-    assert "j1" in snap.head_fields and "j2" not in snap.head_fields  # only the first 2
-    assert snap.head_fields["urgent"][:2] == ["", ""]  # no record: read as empty
-    assert r.llen(protocol.WAKE_KEY) == 2  # not asked to clear
-    Registry(r).snapshot(clear_wake=True)
-    assert r.llen(protocol.WAKE_KEY) == 0

@@ -116,10 +116,10 @@ def cmd_make_test_model(args: argparse.Namespace) -> int:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     if not args.in_process:
-        from sdfarm.scheduler.cli_farm import generate_on_farm
+        from sdfarm.cli.farm import generate_on_farm
 
         return generate_on_farm(args)
-    from sdfarm.native.inprocess import generate_in_process
+    from sdfarm.cli.inprocess import generate_in_process
 
     with stdout_reserved(args.json) as out:
         try:
@@ -148,6 +148,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def add_generation_arguments(p: argparse.ArgumentParser) -> None:
+    """`sdfarm generate`: the prompt, every generation parameter and the job options as
+    flags (sdfarm.cli.options), and where the image goes."""
+    from sdfarm.cli.options import add_option_flags, add_param_flags
+
     p.add_argument("prompt")
     p.add_argument("--model", required=True, help="a model name (from --models) or folder")
     p.add_argument(
@@ -157,22 +161,9 @@ def add_generation_arguments(p: argparse.ArgumentParser) -> None:
         help="a directory of models, one per subfolder (also $SDFARM_MODELS)",
     )
     p.add_argument("-o", "--output", default="out.png")
-    p.add_argument("--negative-prompt", default="")
-    p.add_argument("--width", type=int, default=256)
-    p.add_argument("--height", type=int, default=256)
-    p.add_argument("--steps", type=int, default=4)
-    p.add_argument("--seed", type=int, default=-1)
-    p.add_argument("--cfg-scale", type=float, default=1.0)
-    p.add_argument("--sampler", default="default")
-    p.add_argument("--scheduler", default="default")
-    p.add_argument("--batch-count", type=int, default=1)
+    add_param_flags(p)
+    add_option_flags(p, "log_level", "log_prompts", "priority")
     p.add_argument("--device", default="auto", help="auto, gpu, cpu or a device name")
-    p.add_argument("--log-level", default="none", help="none, error, warn, info or debug")
-    p.add_argument(
-        "--log-prompts",
-        action="store_true",
-        help="keep prompt text in log records (redacted by default)",
-    )
     p.add_argument(
         "--no-check-memory",
         action="store_true",
@@ -212,12 +203,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--redis", default=None, help="the farm's Redis URL")
     g.set_defaults(func=cmd_generate)
 
-    try:
-        from sdfarm.scheduler.cli_farm import add_farm_commands
-    except ImportError:
-        pass
-    else:
-        add_farm_commands(sub)
+    from sdfarm.cli.farm import add_farm_commands
+
+    add_farm_commands(sub)
     return p
 
 

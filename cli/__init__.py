@@ -1,0 +1,1 @@
+"""sdfarm.cli: the `sdfarm` command line (every command takes `--json`) and `./dev demo`."""

@@ -1,0 +1,62 @@
+"""The command line's job flags, derived from the one job schema (sdfarm.native.params): each
+generation parameter and job option becomes `--name-with-dashes`, typed, with its help text
+and range. A new parameter gets its flag without an edit here."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from sdfarm.native.params import OPTIONS, PARAMS, Param
+
+
+def flag(p: Param) -> str:
+    return "--" + p.name.replace("_", "-")
+
+
+def _add(parser: argparse.ArgumentParser, p: Param, default: Any) -> None:
+    if p.kind == "bool":
+        parser.add_argument(flag(p), action="store_true", default=default, help=p.help)
+        return
+    shown = "" if default is None else f"; default {p.default}"
+    parser.add_argument(
+        flag(p),
+        type=p.python_type,
+        default=default,
+        metavar=p.name.upper(),
+        help=f"{p.help} ({p.range_text}{shown})",
+    )
+
+
+def add_param_flags(parser: argparse.ArgumentParser, *, defaults: bool = True) -> None:
+    """A flag per generation parameter but the prompt. Without `defaults` a flag left out is
+    None, so the farm's defaults (or a batch item's own fields) apply."""
+    for p in PARAMS:
+        if p.name != "prompt":
+            _add(parser, p, p.default if defaults else None)
+
+
+def add_option_flags(parser: argparse.ArgumentParser, *names: str) -> None:
+    """Flags for the job options `names` (priority, submitter, log_level, log_prompts)."""
+    for p in OPTIONS:
+        if p.name in names:
+            _add(parser, p, p.default if p.kind == "bool" else None)
+
+
+def given_params(args: argparse.Namespace) -> dict[str, Any]:
+    """The generation parameters the user gave as flags, but the prompt (those left out are
+    absent)."""
+    return {
+        p.name: getattr(args, p.name)
+        for p in PARAMS
+        if p.name != "prompt" and getattr(args, p.name, None) is not None
+    }
+
+
+def given_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The job options the user gave as flags."""
+    return {
+        p.name: getattr(args, p.name)
+        for p in OPTIONS
+        if getattr(args, p.name, None) not in (None, False, "")
+    }

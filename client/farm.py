@@ -1,0 +1,278 @@
+"""The Python client: `Farm(redis_url).submit(model, prompt, ...) -> Job`, `farm.map(prompts)`
+for batches.
+
+A client talks to Redis only, through `sdfarm.store` (submit, wait, cancel); it never needs
+the scheduler to answer it. Parameters are validated here with the engine's own rules
+(sdfarm.native.params) before anything is queued, so a bad request fails in the caller's
+process, not on a worker minutes later.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections import deque
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
+
+from sdfarm.client.errors import (
+    FarmBusyError,
+    FarmError,
+    JobCancelled,
+    JobFailed,
+    UnknownModelError,
+)
+from sdfarm.client.job import WAIT_SLICE_S, Job, Result
+from sdfarm.native.params import (
+    OPTIONS,
+    PARAMS,
+    JobOptions,
+    check_options,
+    from_mapping,
+    validate,
+)
+from sdfarm.scheduler.registry import (
+    DEFAULT_QUEUE_LIMIT,
+    Registry,
+    farm_models,
+    heartbeat_models,
+    model_facts,
+)
+from sdfarm.store import JobSpec, Store
+
+__all__ = [
+    "Farm",
+    "FarmBusyError",
+    "FarmError",
+    "Job",
+    "JobCancelled",
+    "JobFailed",
+    "Result",
+    "UnknownModelError",
+]
+
+MAP_WINDOW = 256
+MODELS_CACHE_S = 1.0
+
+
+class Farm:
+    """A connection to a farm's Redis. Thread-safe (redis-py pools connections)."""
+
+    def __init__(self, redis_url: str | None = None, *, submitter: str | None = None) -> None:
+        url = redis_url or os.environ.get("SDFARM_REDIS_URL")
+        if not url:
+            raise FarmError("no farm: give Farm(redis_url) or set SDFARM_REDIS_URL")
+        self.url = url
+        self.store = Store.connect(url, socket_timeout=WAIT_SLICE_S + 30)
+        self.submitter = submitter or os.environ.get("USER") or "anonymous"
+        self._hb_cache: tuple[float, dict[str, dict[str, Any]]] = (-1e9, {})
+
+    def close(self) -> None:
+        self.store.close()
+
+    def __enter__(self) -> Farm:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- heartbeats -------------------------------------------------------------------------
+
+    def _heartbeats(self, fresh: bool = False) -> dict[str, dict[str, Any]]:
+        """Live heartbeats, cached for a second: a big batch must not read every heartbeat
+        once per job."""
+        at, cached = self._hb_cache
+        if not fresh and time.monotonic() - at < MODELS_CACHE_S:
+            return cached
+        hbs = self.store.heartbeats()
+        self._hb_cache = (time.monotonic(), hbs)
+        return hbs
+
+    def models(self) -> list[dict[str, Any]]:
+        """Every model some live worker can load: name, bytes, native size, the devices that
+        have it and those that hold it loaded now."""
+        hbs = self._heartbeats(fresh=True)
+        out = []
+        for name in farm_models(hbs):
+            facts = model_facts(hbs, name)
+            assert facts is not None
+            have = [k for k, hb in sorted(hbs.items()) if name in heartbeat_models(hb)]
+            loaded = [
+                k for k in have if any(m.get("name") == name for m in hbs[k].get("loaded") or [])
+            ]
+            out.append(
+                {
+                    "name": name,
+                    "bytes": facts.bytes,
+                    "native_size": list(facts.native_size),
+                    "devices": have,
+                    "loaded_on": loaded,
+                }
+            )
+        return out
+
+    # -- submitting ---------------------------------------------------------------------------
+
+    def submit(
+        self,
+        model: str,
+        prompt: str,
+        *,
+        priority: int = 5,
+        submitter: str | None = None,
+        log_level: str = "none",
+        log_prompts: bool = False,
+        **params: Any,
+    ) -> Job:
+        """Queue one job of `model`. `params` are the generation parameters (every field of
+        sdfarm.native.params.GenerationParams, listed below); the options say how the farm
+        treats it. InvalidParameterError before anything is queued; UnknownModelError when
+        workers are up and none has `model`; FarmBusyError at the queue limit."""
+        checked = validate(from_mapping({"prompt": prompt, **params}))
+        options = check_options(
+            JobOptions(
+                priority=priority,
+                submitter=submitter or "",
+                log_level=log_level,
+                log_prompts=log_prompts,
+            )
+        )
+        return self.submit_spec(
+            JobSpec(
+                model=model,
+                params=checked.as_dict(),
+                priority=options.priority,
+                submitter=options.submitter or self.submitter,
+                log_level=options.log_level,
+                log_prompts=options.log_prompts,
+            )
+        )
+
+    def submit_spec(self, spec: JobSpec) -> Job:
+        """Queue a JobSpec whose params and options are already validated (its test hook
+        passes through to workers that honour hooks). Checks the model against the farm."""
+        if not isinstance(spec.model, str) or not spec.model:
+            from sdfarm.native.errors import InvalidParameterError
+
+            raise InvalidParameterError("model", "give a model name")
+        self._check_model(spec.model)
+        job_id, depth, limit = self.store.submit(spec, DEFAULT_QUEUE_LIMIT)
+        if job_id is None:
+            raise FarmBusyError(depth, limit)
+        return Job(self, job_id)
+
+    def _check_model(self, model: str) -> None:
+        """UnknownModelError when workers are up and none lists `model` (after a fresh look);
+        with no worker up the job waits for one."""
+        hbs = self._heartbeats()
+        if hbs and model_facts(hbs, model) is None:
+            hbs = self._heartbeats(fresh=True)
+            if hbs and model_facts(hbs, model) is None:
+                raise UnknownModelError(model, farm_models(hbs))
+
+    def job(self, job_id: str) -> Job:
+        return Job(self, job_id)
+
+    def cancel(self, job_id: str) -> bool:
+        return self.job(job_id).cancel()
+
+    def map(
+        self,
+        prompts: Iterable[str | Mapping[str, Any]],
+        model: str,
+        *,
+        window: int = MAP_WINDOW,
+        **common: Any,
+    ) -> Iterator[Result]:
+        """Results in the order of `prompts` (a prompt, or a dict of per-item parameters with
+        "prompt"), with at most `window` jobs of this call queued or running at once, so a
+        million prompts never fill the farm's queue and other submitters keep their share.
+        Raises the first JobFailed in order (like Executor.map); closing the iterator early
+        cancels what it had in flight. A busy farm makes it wait for its own jobs first."""
+        if window < 1:
+            raise ValueError("window must be at least 1")
+        items = iter(prompts)
+        flying: deque[Job] = deque()
+        held: str | Mapping[str, Any] | None = None
+        exhausted = False
+        try:
+            while True:
+                while not exhausted and len(flying) < window:
+                    item = held if held is not None else next(items, None)
+                    held = None
+                    if item is None:
+                        exhausted = True
+                        break
+                    kwargs = dict(common)
+                    if isinstance(item, Mapping):
+                        kwargs.update(item)
+                    else:
+                        kwargs["prompt"] = item
+                    try:
+                        flying.append(self.submit(model, **kwargs))
+                    except FarmBusyError:
+                        if not flying:
+                            raise
+                        held = item
+                        break
+                if not flying:
+                    return
+                yield flying.popleft().result()
+        finally:
+            for job in flying:
+                with contextlib.suppress(Exception):  # best effort while unwinding
+                    job.cancel()
+
+    # -- status -------------------------------------------------------------------------------
+
+    def status(self) -> dict[str, Any]:
+        """Devices (heartbeat, figures, what runs there), queue depth by priority, running
+        jobs, the leader and the config: one JSON-ready document for `sdfarm status`."""
+        snap = Registry(self.store).snapshot()
+        queues = self.store.queues()
+        devices = []
+        for state in snap.devices:
+            hb = snap.heartbeats.get(state.key, {})
+            devices.append(
+                {
+                    **hb,
+                    "key": state.key,
+                    "host": state.host,
+                    "device": state.device,
+                    "alive": state.alive,
+                    "figure": state.compute_figure if state.alive else None,
+                    "slow_figure": state.slow_figure if state.alive else None,
+                    "capacity": state.capacity if state.alive else None,
+                    "queued": len(snap.running.get(state.key, {})),
+                    "jobs": sorted(snap.running.get(state.key, {})),
+                }
+            )
+        running = [
+            {"id": j, **{k: snap.jobs[j].get(k, "") for k in ("state", "device", "model",
+                                                              "submitter", "priority")}}
+            for j in sorted(snap.jobs)
+        ]  # fmt: skip
+        return {
+            "leader": queues["leader"],
+            "config": queues["config"],
+            "devices": devices,
+            "queues": queues["queues"],
+            "pending": queues["pending"],
+            "running": running,
+        }
+
+
+def _parameter_help() -> str:
+    lines = ["", "Generation parameters (keyword arguments):"]
+    lines += [
+        f"    {p.name}: {p.help} ({p.range_text}"
+        + (")" if p.required else f"; default {p.default!r})")
+        for p in PARAMS
+    ]
+    lines += ["", "Options:"]
+    lines += [f"    {p.name}: {p.help} ({p.range_text})" for p in OPTIONS]
+    return "\n".join(lines)
+
+
+Farm.submit.__doc__ = (Farm.submit.__doc__ or "") + "\n" + _parameter_help()

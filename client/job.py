@@ -1,0 +1,142 @@
+"""`Job`, a handle on one queued job, and `Result`, a finished job's images.
+
+Waiting blocks on the job's done token in Redis (`Store.wait`), so a finished job is seen
+within a round trip, with no polling; the wake-up reads the record and the result together.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from sdfarm.client.errors import FarmError, JobCancelled, JobFailed
+from sdfarm.store import FINAL_STATES, JobResult
+from sdfarm.store.records import loads
+
+if TYPE_CHECKING:
+    from sdfarm.client.farm import Farm
+
+WAIT_SLICE_S = 30.0
+"""Longest single blocking wait: a wait forever is a loop of these, so a Redis that went away
+is noticed (socket timeout) instead of hanging the caller."""
+
+
+@dataclass
+class Result:
+    """A finished job's images (PNG bytes, parameters in a text chunk), metadata and logs."""
+
+    job_id: str
+    pngs: list[bytes]
+    metadata: dict[str, Any] = field(default_factory=dict)
+    records: list[Any] = field(default_factory=list)
+
+    @property
+    def png(self) -> bytes:
+        """The first image."""
+        return self.pngs[0]
+
+    @property
+    def image(self) -> Any:
+        """The first image as a PIL image."""
+        from PIL import Image
+
+        img = Image.open(io.BytesIO(self.png))
+        img.load()
+        return img
+
+    def save(self, path: str | os.PathLike[str]) -> list[Path]:
+        """Write the first image to `path`, further ones to `name-1.png`, `name-2.png`, ..."""
+        out = Path(path)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        written = []
+        for i, png in enumerate(self.pngs):
+            target = out if i == 0 else out.with_name(f"{out.stem}-{i}{out.suffix}")
+            target.write_bytes(png)
+            written.append(target)
+        return written
+
+
+class Job:
+    """A handle on one job; cheap to make from an id (`farm.job(id)`)."""
+
+    def __init__(self, farm: Farm, job_id: str) -> None:
+        self.farm = farm
+        self.id = job_id
+
+    def __repr__(self) -> str:
+        return f"Job({self.id!r})"
+
+    def record(self) -> dict[str, str]:
+        """The job record (sdfarm.store.records) as it is now."""
+        return self.farm.store.record(self.id)
+
+    def state(self) -> str:
+        """queued, placed, running, done, failed or cancelled ("" once the record expired)."""
+        return self.farm.store.state(self.id)
+
+    def done(self) -> bool:
+        return self.state() in FINAL_STATES
+
+    def wait(self, timeout: float | None = None) -> str:
+        """Block until the job is final; its state. TimeoutError after `timeout` seconds."""
+        return self._wait(timeout)[0]
+
+    def _wait(self, timeout: float | None) -> tuple[str, JobResult | None]:
+        """The final state, and the record and result when the wake-up read them (the round
+        trip after the done token brings everything `result` needs)."""
+        store = self.farm.store
+        deadline = None if timeout is None else time.monotonic() + timeout
+        token_seen = False
+        while True:
+            state = store.state(self.id)
+            if state in FINAL_STATES:
+                return state, None
+            if not state:
+                raise FarmError(f"no job {self.id} (unknown, or expired)")
+            if token_seen:  # a token with the state not yet final: never spin hot
+                time.sleep(0.001)
+            left = WAIT_SLICE_S if deadline is None else deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"job {self.id} still {state} after {timeout} s")
+            if store.wait(self.id, min(left, WAIT_SLICE_S)):
+                token_seen = True
+                ended = store.ended(self.id)
+                if ended.state in FINAL_STATES:
+                    return ended.state, ended
+
+    def result(self, timeout: float | None = None) -> Result:
+        """The images; JobFailed / JobCancelled / TimeoutError otherwise."""
+        state, ended = self._wait(timeout)
+        if state == "cancelled":
+            raise JobCancelled(self.id)
+        if ended is None:
+            ended = self.farm.store.ended(self.id)
+        rec = ended.record
+        if state == "failed":
+            est = rec.get("estimate")
+            raise JobFailed(
+                self.id,
+                rec.get("error") or ended.meta.get("error") or "failed (no error recorded)",
+                ended.records,
+                loads(rec.get("figures"), []),
+                int(est) if est and est.isdigit() else None,
+            )
+        if not ended.pngs:
+            raise FarmError(f"job {self.id} is done but its result is gone (expired?)")
+        return Result(self.id, ended.pngs, ended.meta, ended.records)
+
+    def progress(self) -> dict[str, Any] | None:
+        """The latest {"step", "steps", "s_per_step"} while it runs, else None."""
+        return self.farm.store.progress(self.id)
+
+    def cancel(self) -> bool:
+        """Cancel: a queued job at once, a placed or running one by request (the worker stops
+        it). False when the job had already ended."""
+        return self.farm.store.cancel(self.id) != 0
+
+    def events(self) -> list[dict[str, Any]]:
+        return self.farm.store.events(self.id)

@@ -1,0 +1,123 @@
+"""Every Redis key of a farm, and how long each lives. No other module builds a key name.
+
+One farm per Redis database; every key starts with PREFIX. A job's keys all expire: each
+has JOB_TTL from the moment it is written while the job is live, and RESULT_TTL from the
+moment the job ends (done, failed or cancelled). The farm-wide keys below the line are the
+only ones without a TTL; each is bounded (a capped list, a set of devices, a hash per device).
+
+| key | type | TTL | what (written by) |
+|---|---|---|---|
+| `job:{id}` | hash | JOB_TTL, then RESULT_TTL | the job record (client, scheduler, worker) |
+| `events:{id}` | list | JOB_TTL, then RESULT_TTL | the newest EVENTS_CAP events as JSON (all) |
+| `progress:{id}` | string | RESULT_TTL | the latest step of a running job (worker) |
+| `cancel:{id}` | string | RESULT_TTL | a cancel request for a placed or running job (client) |
+| `result:{id}` | hash | RESULT_TTL | `png:{i}`, `count`, `meta`, `records` (worker) |
+| `done:{id}` | list | RESULT_TTL | one token once the job ended; waiters block on it (all) |
+| `hb:{host}/{device}` | string | HEARTBEAT_TTL | the device's heartbeat (worker) |
+| `leader` | string | the lease | the active scheduler's token (scheduler) |
+| farm-wide, no TTL: | | | |
+| `pending:{priority}` | list | - | ids of jobs waiting to be placed, 0 first (client, scheduler) |
+| `pending:count` | string | - | how many jobs wait; the queue limit counts these |
+| `running:{host}/{device}` | hash | - | job id -> dispatch id sent there (scheduler, worker) |
+| `devices` | set | - | every device that sent a heartbeat; forgotten an hour after death |
+| `wake` | list | - | nudges for the scheduler, at most WAKE_CAP (all) |
+| `config` | hash | - | `queue_limit`, `backlog` (scheduler) |
+| `recent` | list | - | the last RECENT_CAP finished job ids, newest first (worker) |
+
+The Celery queues (`sdfarm.{host}.{device}` and kombu's priority lists) are named in
+`sdfarm.store.transport`, the one module that knows Celery's wire format.
+"""
+
+from __future__ import annotations
+
+PREFIX = "sdfarm:"
+
+JOB_TTL = 7 * 24 * 3600
+"""A live job's keys: a job nobody places or runs for a week is gone (the scheduler then drops
+its id from the pending list, and a waiting client is told the job is unknown)."""
+RESULT_TTL = 24 * 3600
+"""Every key of a finished job: its record, result, events and tokens."""
+HEARTBEAT_TTL = 5.0
+HEARTBEAT_INTERVAL = 1.0
+
+EVENTS_CAP = 200
+WAKE_CAP = 100
+RECENT_CAP = 32
+PRIORITIES = range(10)  # 0 = interactive (placed first) ... 9 = batch
+
+JOB_KEY_KINDS = ("job", "events", "progress", "cancel", "result", "done")
+"""The kinds of key one job creates; `job_keys(id)` names them all."""
+
+
+def key(*parts: str) -> str:
+    return PREFIX + ":".join(parts)
+
+
+def job_key(job_id: str) -> str:
+    return key("job", job_id)
+
+
+def events_key(job_id: str) -> str:
+    return key("events", job_id)
+
+
+def progress_key(job_id: str) -> str:
+    return key("progress", job_id)
+
+
+def cancel_key(job_id: str) -> str:
+    return key("cancel", job_id)
+
+
+def result_key(job_id: str) -> str:
+    return key("result", job_id)
+
+
+def done_key(job_id: str) -> str:
+    return key("done", job_id)
+
+
+def job_keys(job_id: str) -> list[str]:
+    """Every key job `job_id` may create (for tests and deletion)."""
+    return [key(kind, job_id) for kind in JOB_KEY_KINDS]
+
+
+def heartbeat_key(device_key: str) -> str:
+    return key("hb", device_key)
+
+
+def running_key(device_key: str) -> str:
+    return key("running", device_key)
+
+
+def pending_key(priority: int) -> str:
+    return key("pending", str(priority))
+
+
+def device_key(host: str, device: str) -> str:
+    """`{host}/{device}`: how the farm names one device of one host."""
+    return f"{host}/{device}"
+
+
+LEADER_KEY = key("leader")
+PENDING_COUNT_KEY = key("pending", "count")
+DEVICES_KEY = key("devices")
+WAKE_KEY = key("wake")
+CONFIG_KEY = key("config")
+RECENT_KEY = key("recent")
+
+FARM_WIDE = (
+    key("pending", ""),
+    PENDING_COUNT_KEY,
+    key("running", ""),
+    DEVICES_KEY,
+    WAKE_KEY,
+    CONFIG_KEY,
+    RECENT_KEY,
+)
+"""The keys without a TTL (a name, or a prefix ending in ':'), each bounded as the table says."""
+
+
+def farm_wide(name: str) -> bool:
+    """True for a key of FARM_WIDE, the only ones that may live without a TTL."""
+    return any(name == k or (k.endswith(":") and name.startswith(k)) for k in FARM_WIDE)

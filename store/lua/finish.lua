@@ -1,0 +1,44 @@
+-- finish: a worker ends a running job of its dispatch: the result (images, meta, records),
+-- the final state, its running entry, the done token and the event, in one round trip. A job
+-- that is no longer ours (re-placed, or ended by someone else) is left alone. It wakes the
+-- scheduler only when jobs are pending: a freed slot is news only to them.
+-- KEYS: job, result, done, events, running, wake, progress, recent, pending count, cancel
+-- ARGV: dispatch, state, error, ended, event, events cap, finished ttl, job id, meta,
+--       records, count, wake cap, recent cap, n (how many job field ARGVs follow), the n job
+--       field ARGVs (name, value pairs), then the result's images (png:0, bytes, ...)
+-- Returns 1 ended, 0 not ours.
+local cur = redis.call('HMGET', KEYS[1], 'state', 'dispatch')
+if cur[1] ~= 'running' or cur[2] ~= ARGV[1] then
+  return 0
+end
+local ttl = tonumber(ARGV[7])
+local n = tonumber(ARGV[14])
+redis.call('HSET', KEYS[1], 'state', ARGV[2], 'error', ARGV[3], 'ended', ARGV[4])
+if n > 0 then
+  redis.call('HSET', KEYS[1], unpack(ARGV, 15, 14 + n))
+end
+if ARGV[9] ~= '' then
+  redis.call('DEL', KEYS[2])
+  redis.call('HSET', KEYS[2], 'meta', ARGV[9], 'records', ARGV[10], 'count', ARGV[11])
+  if #ARGV > 14 + n then
+    redis.call('HSET', KEYS[2], unpack(ARGV, 15 + n))
+  end
+  redis.call('EXPIRE', KEYS[2], ttl)
+end
+if redis.call('HGET', KEYS[5], ARGV[8]) == ARGV[1] then
+  redis.call('HDEL', KEYS[5], ARGV[8])
+end
+redis.call('RPUSH', KEYS[3], ARGV[2])
+log(KEYS[4], ARGV[5], ARGV[6], ttl)
+for _, k in ipairs({KEYS[1], KEYS[3], KEYS[4], KEYS[7], KEYS[10]}) do
+  redis.call('EXPIRE', k, ttl)
+end
+if tonumber(redis.call('GET', KEYS[9]) or '0') > 0 then
+  redis.call('LPUSH', KEYS[6], ARGV[8])
+  redis.call('LTRIM', KEYS[6], 0, tonumber(ARGV[12]) - 1)
+end
+if ARGV[2] == 'done' then
+  redis.call('LPUSH', KEYS[8], ARGV[8])
+  redis.call('LTRIM', KEYS[8], 0, tonumber(ARGV[13]) - 1)
+end
+return 1

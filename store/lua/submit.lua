@@ -1,0 +1,17 @@
+-- submit: queue a new job unless the queue is full.
+-- KEYS: job, pending list, pending count, events, wake, config
+-- ARGV: id, default queue limit, queued event, events cap, job ttl, wake cap,
+--       then the record's field/value pairs
+-- Returns {1, depth, limit} when queued, {0, depth, limit} when the queue is full.
+local limit = tonumber(redis.call('HGET', KEYS[6], 'queue_limit') or ARGV[2])
+local depth = tonumber(redis.call('GET', KEYS[3]) or '0')
+if depth >= limit then return {0, depth, limit} end
+redis.call('HSET', KEYS[1], unpack(ARGV, 7))
+redis.call('HSET', KEYS[1], 'created', now())
+redis.call('EXPIRE', KEYS[1], ARGV[5])
+redis.call('RPUSH', KEYS[2], ARGV[1])
+redis.call('INCR', KEYS[3])
+log(KEYS[4], ARGV[3], ARGV[4], ARGV[5])
+redis.call('LPUSH', KEYS[5], '1')
+redis.call('LTRIM', KEYS[5], 0, tonumber(ARGV[6]) - 1)
+return {1, depth + 1, limit}

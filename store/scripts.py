@@ -1,0 +1,43 @@
+"""The Lua scripts of the farm (`store/lua/*.lua`), read once per process and registered once per
+connection.
+
+Every state change of a job is one script: Redis runs it atomically, so two parties racing
+for a job (a worker's finish and the scheduler's requeue, a cancel and a placement) can never
+interleave. `prelude.lua` holds the helpers the scripts share and is put in front of each.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+from importlib.resources import files
+from typing import Any
+
+NAMES = (
+    "submit",
+    "cancel",
+    "place",
+    "fail",
+    "requeue",
+    "forget",
+    "drop_stale",
+    "snapshot",
+    "claim",
+    "loaded",
+    "progress",
+    "event",
+    "finish",
+    "lease_renew",
+    "lease_release",
+)
+
+
+@cache
+def source(name: str) -> str:
+    """The script `name` with the prelude in front."""
+    lua = files("sdfarm.store") / "lua"
+    return (lua / "prelude.lua").read_text() + "\n" + (lua / f"{name}.lua").read_text()
+
+
+def register(client: Any) -> dict[str, Any]:
+    """{name: script} registered on one redis-py client (EVALSHA, loaded on first use)."""
+    return {name: client.register_script(source(name)) for name in NAMES}

@@ -1,0 +1,625 @@
+"""`Store`: the one owner of the farm's Redis. Every key is named in `keys.py`, every record is
+shaped in `records.py`, every state change is a Lua script in `lua/`; this class is how the
+client, the scheduler, the worker and the gateway read and change them.
+
+A job's life, one named transition each (every one also appends an event):
+
+1. submit (client): queue the job unless `pending:count` is at the queue limit.
+2. place (the leader scheduler): a queued job goes to a device with a new dispatch id, and
+   its Celery message onto that device's queue, atomically; or fail: no device could ever
+   hold it. Every scheduler write is fenced on the leader token.
+3. claim (worker): a placed job of this dispatch starts running; a message whose dispatch is
+   stale claims nothing, which is what keeps a job from running twice. Then loaded (after a
+   model load), progress (each step; both say whether a cancel is asked for) and finish
+   (result, final state, done token), only while the job is still this dispatch's.
+4. wait (client): block on the done token, then read the record and the result together.
+5. requeue (scheduler): a job whose worker died (heartbeat expired, or a new worker process)
+   goes back to the front of its list with a new dispatch id; after two lost runs it fails as
+   poison. forget: a stale running entry is removed.
+6. cancel (client): a queued job ends at once; a placed or running one gets a request its
+   worker acts on (master-596 has no cancel call: the worker ends its own process).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from sdfarm.store import keys, scripts, transport
+from sdfarm.store.keys import (
+    CONFIG_KEY,
+    DEVICES_KEY,
+    EVENTS_CAP,
+    JOB_TTL,
+    LEADER_KEY,
+    PENDING_COUNT_KEY,
+    PRIORITIES,
+    RECENT_CAP,
+    RECENT_KEY,
+    RESULT_TTL,
+    WAKE_CAP,
+    WAKE_KEY,
+)
+from sdfarm.store.records import (
+    FINAL_STATES,
+    PENDING_JOB_FIELDS,
+    RUNNING_JOB_FIELDS,
+    Claim,
+    JobResult,
+    JobSpec,
+    decode,
+    decode_hash,
+    event,
+    loads,
+    new_dispatch_id,
+    new_job_id,
+    new_job_record,
+    parse_heartbeat,
+)
+
+NOT_LEADER = -1
+"""What a fenced transition returns when the caller's token no longer holds the lease."""
+
+
+@dataclass
+class FarmReading:
+    """The farm at one instant, as `snapshot` reads it: the known devices, the live ones'
+    heartbeats, {device: {job id: dispatch id}} of what was sent to each, the
+    RUNNING_JOB_FIELDS of those jobs, the first ids of each pending list by priority, and
+    the PENDING_JOB_FIELDS of the first few of them."""
+
+    known: list[str] = field(default_factory=list)
+    heartbeats: dict[str, dict[str, Any]] = field(default_factory=dict)
+    running: dict[str, dict[str, str]] = field(default_factory=dict)
+    jobs: dict[str, dict[str, str]] = field(default_factory=dict)
+    heads: dict[int, list[str]] = field(default_factory=dict)
+    head_fields: dict[str, list[str]] = field(default_factory=dict)
+
+
+class Store:
+    """The farm's Redis (a redis-py client with decode_responses off). Thread-safe as redis-py
+    is: the scripts are registered once per Store, on its client's connection pool."""
+
+    def __init__(self, client: Any) -> None:
+        self.r = client
+        self._lua = scripts.register(client)
+
+    @classmethod
+    def connect(cls, url: str, **options: Any) -> Store:
+        import redis
+
+        return cls(redis.Redis.from_url(url, **options))
+
+    def close(self) -> None:
+        self.r.close()
+
+    def ping(self) -> bool:
+        return bool(self.r.ping())
+
+    # -- submit, cancel, wait (client) ------------------------------------------------------
+
+    def submit(self, spec: JobSpec, default_queue_limit: int) -> tuple[str | None, int, int]:
+        """(job id, queue depth, queue limit); the id is None when the queue was full."""
+        job_id = new_job_id()
+        record = [x for kv in new_job_record(job_id, spec).items() for x in kv]
+        queued = event("queued", priority=spec.priority, submitter=spec.submitter)
+        ok, depth, limit = self._lua["submit"](
+            keys=[
+                keys.job_key(job_id),
+                keys.pending_key(spec.priority),
+                PENDING_COUNT_KEY,
+                keys.events_key(job_id),
+                WAKE_KEY,
+                CONFIG_KEY,
+            ],
+            args=[job_id, default_queue_limit, queued, EVENTS_CAP, JOB_TTL, WAKE_CAP, *record],
+        )
+        return (job_id if ok else None), int(depth), int(limit)
+
+    def cancel(self, job_id: str, by: str = "client") -> int:
+        """1 cancelled while queued, 2 cancel requested (placed or running), 0 already ended
+        or no such job."""
+        priority = decode(self.r.hget(keys.job_key(job_id), "priority"))
+        if not priority.isdigit():
+            return 0
+        return int(
+            self._lua["cancel"](
+                keys=[
+                    keys.job_key(job_id),
+                    PENDING_COUNT_KEY,
+                    keys.events_key(job_id),
+                    keys.done_key(job_id),
+                    keys.cancel_key(job_id),
+                    keys.pending_key(int(priority)),
+                ],
+                args=[job_id, event("cancelled", by=by), EVENTS_CAP, RESULT_TTL],
+            )
+        )
+
+    def wait(self, job_id: str, timeout: float) -> bool:
+        """Block until the job's done token exists (True) or `timeout` seconds pass (False).
+        The token is rotated in place (BLMOVE onto its own list), never popped: other waiters
+        see it too and its key keeps its TTL."""
+        done = keys.done_key(job_id)
+        got = self.r.blmove(done, done, max(0.001, timeout), src="RIGHT", dest="LEFT")
+        return got is not None
+
+    def ended(self, job_id: str) -> JobResult:
+        """The record and the result of a job, read together (one round trip)."""
+        pipe = self.r.pipeline(transaction=False)
+        pipe.hgetall(keys.job_key(job_id))
+        pipe.hgetall(keys.result_key(job_id))
+        raw_record, raw_result = pipe.execute()
+        return JobResult.parse(raw_record, raw_result)
+
+    # -- reading jobs ------------------------------------------------------------------------
+
+    def record(self, job_id: str) -> dict[str, str]:
+        return decode_hash(self.r.hgetall(keys.job_key(job_id)))
+
+    def state(self, job_id: str) -> str:
+        """queued, placed, running, done, failed or cancelled; "" for no such job."""
+        return decode(self.r.hget(keys.job_key(job_id), "state"))
+
+    def progress(self, job_id: str) -> dict[str, Any] | None:
+        return loads(self.r.get(keys.progress_key(job_id)), None)
+
+    def events(self, job_id: str) -> list[dict[str, Any]]:
+        return [e for e in (loads(x, None) for x in self.raw_events(job_id)) if isinstance(e, dict)]
+
+    def raw_events(self, job_id: str) -> list[bytes]:
+        return list(self.r.lrange(keys.events_key(job_id), 0, -1))
+
+    def events_exist(self, job_id: str) -> bool:
+        return bool(self.r.exists(keys.events_key(job_id)))
+
+    def image(self, job_id: str, index: int) -> bytes | None:
+        return self.r.hget(keys.result_key(job_id), f"png:{index}")
+
+    def image_count(self, job_id: str) -> int:
+        count = decode(self.r.hget(keys.result_key(job_id), "count"))
+        return int(count) if count.isdigit() else 0
+
+    def jobs_fields(self, job_ids: Sequence[str], names: Sequence[str]) -> list[list[str]]:
+        """The fields `names` of each job (one round trip)."""
+        pipe = self.r.pipeline(transaction=False)
+        for job_id in job_ids:
+            pipe.hmget(keys.job_key(job_id), list(names))
+        return [[decode(v) for v in values] for values in pipe.execute()]
+
+    def progress_of(self, job_ids: Sequence[str]) -> list[dict[str, Any] | None]:
+        pipe = self.r.pipeline(transaction=False)
+        for job_id in job_ids:
+            pipe.get(keys.progress_key(job_id))
+        return [loads(raw, None) for raw in pipe.execute()]
+
+    def recent(self, count: int = RECENT_CAP) -> list[str]:
+        """The ids of the latest finished jobs, newest first."""
+        return [decode(x) for x in self.r.lrange(RECENT_KEY, 0, count - 1)]
+
+    def count_by_state(self) -> dict[str, int]:
+        """How many job records Redis holds in each state (live jobs and those finished
+        within RESULT_TTL). Scans every record: for occasional reads, not a hot path."""
+        counts: dict[str, int] = {}
+        batch: list[bytes] = []
+        for k in self.r.scan_iter(match=keys.job_key("*"), count=1000):
+            batch.append(k)
+            if len(batch) >= 1000:
+                self._count_states(batch, counts)
+                batch = []
+        self._count_states(batch, counts)
+        return counts
+
+    def _count_states(self, batch: list[bytes], counts: dict[str, int]) -> None:
+        pipe = self.r.pipeline(transaction=False)
+        for k in batch:
+            pipe.hget(k, "state")
+        for s in pipe.execute():
+            counts[decode(s)] = counts.get(decode(s), 0) + 1
+
+    # -- the farm ------------------------------------------------------------------------------
+
+    def heartbeats(self) -> dict[str, dict[str, Any]]:
+        """Live heartbeats by device key (two round trips, no script)."""
+        known = sorted(decode(k) for k in self.r.smembers(DEVICES_KEY))
+        values = self.r.mget([keys.heartbeat_key(k) for k in known]) if known else []
+        out = {}
+        for k, raw in zip(known, values, strict=True):
+            hb = parse_heartbeat(raw)
+            if hb is not None:
+                out[k] = hb
+        return out
+
+    def heartbeat(self, device_key: str) -> dict[str, Any] | None:
+        return parse_heartbeat(self.r.get(keys.heartbeat_key(device_key)))
+
+    def queues(self) -> dict[str, Any]:
+        """Queue depth by priority, jobs pending, the leader's token and the config."""
+        pipe = self.r.pipeline(transaction=False)
+        for p in PRIORITIES:
+            pipe.llen(keys.pending_key(p))
+        pipe.get(PENDING_COUNT_KEY)
+        pipe.get(LEADER_KEY)
+        pipe.hgetall(CONFIG_KEY)
+        *depths, count, leader, config = pipe.execute()
+        return {
+            "queues": {p: int(n) for p, n in zip(PRIORITIES, depths, strict=True)},
+            "pending": int(decode(count) or 0),
+            "leader": decode(leader) or None,
+            "config": decode_hash(config),
+        }
+
+    def snapshot(self, heads: int = 0, clear_wake: bool = False, facts: int = 4) -> FarmReading:
+        """The farm in one round trip; with `heads` > 0 also the first `heads` ids of every
+        pending list and the PENDING_JOB_FIELDS of the first `facts` of each; `clear_wake`
+        empties the wake list in the same atomic step."""
+        pending = [keys.pending_key(p) for p in PRIORITIES] if heads > 0 else []
+        raw_devices, raw_heads, raw_facts = self._lua["snapshot"](
+            keys=[DEVICES_KEY, WAKE_KEY, *pending],
+            args=[
+                "1" if clear_wake else "0",
+                keys.heartbeat_key(""),
+                keys.running_key(""),
+                keys.job_key(""),
+                heads,
+                facts,
+                len(RUNNING_JOB_FIELDS),
+                *RUNNING_JOB_FIELDS,
+                *PENDING_JOB_FIELDS,
+            ],
+        )
+        out = FarmReading()
+        for raw_key, raw_hb, raw_running, raw_jobs in raw_devices:
+            k = decode(raw_key)
+            out.known.append(k)
+            hb = parse_heartbeat(raw_hb)
+            if hb is not None:
+                out.heartbeats[k] = hb
+            ids = [decode(x) for x in raw_running[0::2]]
+            out.running[k] = dict(zip(ids, (decode(x) for x in raw_running[1::2]), strict=True))
+            for j, values in zip(ids, raw_jobs, strict=True):
+                if values[0] is not None:
+                    out.jobs[j] = {
+                        f: decode(v) for f, v in zip(RUNNING_JOB_FIELDS, values, strict=True)
+                    }
+        if pending:
+            out.heads = {
+                p: [decode(i) for i in ids] for p, ids in zip(PRIORITIES, raw_heads, strict=True)
+            }
+        out.head_fields = {
+            decode(i): [decode(v) for v in values]
+            for ids, got in zip(raw_heads, raw_facts, strict=True)
+            for i, values in zip(ids, got, strict=False)
+        }
+        return out
+
+    # -- place, fail, requeue, forget (the leader scheduler) -----------------------------------
+
+    def place(
+        self,
+        token: str,
+        job_id: str,
+        priority: int,
+        device: str,
+        dispatch: str,
+        estimate: int,
+        tier: str,
+        evict: Iterable[str],
+        message: tuple[str, str],
+    ) -> int:
+        """1 placed (and its Celery message `(queue list, body)` pushed), 0 no longer queued,
+        NOT_LEADER."""
+        queue, body = message
+        placed = event("placed", device=device, tier=tier, evict=list(evict), estimate=estimate)
+        return int(
+            self._lua["place"](
+                keys=[
+                    keys.job_key(job_id),
+                    keys.pending_key(priority),
+                    keys.running_key(device),
+                    PENDING_COUNT_KEY,
+                    keys.events_key(job_id),
+                    LEADER_KEY,
+                    queue,
+                ],
+                args=[
+                    token,
+                    job_id,
+                    dispatch,
+                    device,
+                    placed,
+                    estimate,
+                    tier,
+                    EVENTS_CAP,
+                    body,
+                    JOB_TTL,
+                ],
+            )  # fmt: skip
+        )
+
+    def fail(
+        self,
+        token: str,
+        job_id: str,
+        priority: int,
+        error: str,
+        figures: Sequence[Mapping[str, Any]],
+        estimate: int,
+    ) -> int:
+        """A queued job that can never run fails with its estimate and the figures: 1 failed,
+        0 no longer queued, NOT_LEADER."""
+        return int(
+            self._lua["fail"](
+                keys=[
+                    keys.job_key(job_id),
+                    keys.pending_key(priority),
+                    PENDING_COUNT_KEY,
+                    keys.events_key(job_id),
+                    keys.done_key(job_id),
+                    LEADER_KEY,
+                ],
+                args=[
+                    token,
+                    job_id,
+                    error,
+                    json.dumps(list(figures)),
+                    event("failed", error=error, estimate=estimate),
+                    EVENTS_CAP,
+                    RESULT_TTL,
+                    estimate,
+                ],
+            )
+        )
+
+    def requeue(
+        self,
+        token: str,
+        job_id: str,
+        job: Mapping[str, str],
+        device: str,
+        *,
+        reason: str,
+        count: bool,
+        max_attempts: int,
+        poison_error: str,
+    ) -> int:
+        """A job `device` lost goes back to the front of its list (1), fails as poison when
+        this lost run reaches `max_attempts` (2), or ends cancelled when a cancel was asked
+        for (3); 0 when it moved on meanwhile (`job` holds the state and dispatch the caller
+        saw); NOT_LEADER."""
+        attempts = int(job.get("attempts") or 0) + int(count)
+        return int(
+            self._lua["requeue"](
+                keys=[
+                    keys.job_key(job_id),
+                    keys.running_key(device),
+                    keys.pending_key(int(job.get("priority") or 5)),
+                    PENDING_COUNT_KEY,
+                    keys.events_key(job_id),
+                    keys.done_key(job_id),
+                    LEADER_KEY,
+                    keys.cancel_key(job_id),
+                ],
+                args=[
+                    token,
+                    job_id,
+                    job["state"],
+                    job["dispatch"],
+                    new_dispatch_id(),
+                    "1" if count else "0",
+                    max_attempts,
+                    device,
+                    event(
+                        "retried", device=device, reason=reason, attempts=attempts, counted=count
+                    ),
+                    event("failed", error=poison_error, device=device, reason="poison"),
+                    event("cancelled", device=device, reason=reason),
+                    poison_error,
+                    EVENTS_CAP,
+                    RESULT_TTL,
+                    JOB_TTL,
+                ],
+            )  # fmt: skip
+        )
+
+    def lost_runs(self, job_id: str) -> tuple[str, str]:
+        """(the job's stored load records JSON, the devices that lost it so far)."""
+        records, lost_on = self.r.hmget(keys.job_key(job_id), ["records", "lost_on"])
+        return decode(records), decode(lost_on)
+
+    def forget(self, token: str, device: str, job_id: str, dispatch: str) -> int:
+        """Drop a stale `running` entry if it still names `dispatch`: 1, 0, or NOT_LEADER."""
+        return int(
+            self._lua["forget"](
+                keys=[keys.running_key(device), LEADER_KEY], args=[token, job_id, dispatch]
+            )
+        )
+
+    def drop_stale(self, job_id: str, priority: int) -> int:
+        """Remove a pending entry whose record is gone or no longer queued."""
+        return int(
+            self._lua["drop_stale"](
+                keys=[keys.job_key(job_id), keys.pending_key(priority), PENDING_COUNT_KEY],
+                args=[job_id],
+            )
+        )
+
+    def pending_fields(self, job_ids: Sequence[str]) -> dict[str, list[str]]:
+        """{id: PENDING_JOB_FIELDS values} of queued jobs the snapshot did not read."""
+        return dict(zip(job_ids, self.jobs_fields(job_ids, PENDING_JOB_FIELDS), strict=True))
+
+    def publish_config(self, queue_limit: int, backlog: int) -> None:
+        """What clients read of the leader's configuration (the queue limit)."""
+        self.r.hset(CONFIG_KEY, mapping={"queue_limit": queue_limit, "backlog": backlog})
+
+    def wait_for_wake(self, timeout: float) -> None:
+        """Block until something nudges the scheduler (a submit, a freed device) or timeout."""
+        self.r.blpop([WAKE_KEY], timeout=timeout)
+
+    def forget_device(self, device_key: str) -> None:
+        """A device dead for long: it leaves the known set (its worker re-adds it)."""
+        self.r.srem(DEVICES_KEY, device_key)
+
+    # -- the leader lease ------------------------------------------------------------------------
+
+    def take_lease(self, token: str, ttl_ms: int) -> bool:
+        """True when the lease was free and is now `token`'s."""
+        return bool(self.r.set(LEADER_KEY, token, nx=True, px=ttl_ms))
+
+    def renew_lease(self, token: str, ttl_ms: int) -> bool:
+        return bool(self._lua["lease_renew"](keys=[LEADER_KEY], args=[token, ttl_ms]))
+
+    def release_lease(self, token: str) -> bool:
+        return bool(self._lua["lease_release"](keys=[LEADER_KEY], args=[token]))
+
+    def lease_holder(self) -> str | None:
+        value = self.r.get(LEADER_KEY)
+        return decode(value) if value is not None else None
+
+    # -- claim, loaded, progress, finish (the worker) ----------------------------------------------
+
+    def claim(self, job_id: str, dispatch: str, incarnation: str, worker: str) -> Claim | None:
+        """The Claim when this message may run the job; None when it is stale."""
+        started = time.time()
+        got = self._lua["claim"](
+            keys=[keys.job_key(job_id), keys.events_key(job_id), keys.cancel_key(job_id)],
+            args=[
+                dispatch,
+                incarnation,
+                repr(started),
+                event("running", incarnation=incarnation, worker=worker),
+                EVENTS_CAP,
+                worker,
+                JOB_TTL,
+            ],
+        )
+        if not got:
+            return None
+        spec, created, estimate, cancelled = got
+        try:
+            created_t = float(decode(created)) if created else started
+        except ValueError:
+            created_t = started
+        est = decode(estimate)
+        return Claim(decode(spec), created_t, started, int(est) if est.isdigit() else 0,
+                     bool(cancelled))  # fmt: skip
+
+    def loaded(self, job_id: str, records: list[dict[str, Any]]) -> bool:
+        """Keep a load's log records in the job record; True when a cancel came meanwhile."""
+        return bool(
+            self._lua["loaded"](
+                keys=[keys.job_key(job_id), keys.cancel_key(job_id)], args=[json.dumps(records)]
+            )
+        )
+
+    def publish_progress(self, job_id: str, step: int, steps: int, s_per_step: float) -> bool:
+        """The job's latest step and its step event; True when a cancel is asked for."""
+        doc = {"step": step, "steps": steps, "s_per_step": round(float(s_per_step), 4)}
+        return bool(
+            self._lua["progress"](
+                keys=[keys.progress_key(job_id), keys.events_key(job_id), keys.cancel_key(job_id)],
+                args=[json.dumps(doc), event("step", **doc), EVENTS_CAP, RESULT_TTL, JOB_TTL],
+            )
+        )
+
+    def push_event(self, job_id: str, kind: str, **fields: Any) -> None:
+        self._lua["event"](
+            keys=[keys.events_key(job_id)], args=[event(kind, **fields), EVENTS_CAP, JOB_TTL]
+        )
+
+    def cancel_requested(self, job_id: str) -> bool:
+        return bool(self.r.exists(keys.cancel_key(job_id)))
+
+    def finish(
+        self,
+        job_id: str,
+        dispatch: str,
+        device_key: str,
+        state: str,
+        *,
+        error: str = "",
+        meta: dict[str, Any] | None = None,
+        records: list[dict[str, Any]] | None = None,
+        pngs: list[bytes] | None = None,
+        job_fields: dict[str, str] | None = None,
+        **event_fields: Any,
+    ) -> bool:
+        """End a running job of `dispatch` (done, failed, cancelled) with everything that goes
+        with it, atomically: `meta`, `records` and the images land in `result:{id}` when
+        `meta` is given, `job_fields` in the record (a worker's memory refusal writes
+        `figures` and `estimate` there, as placement's refusal does). False when the job is
+        no longer running under `dispatch`."""
+        if state not in FINAL_STATES:
+            raise ValueError(f"not a final state: {state!r}")
+        if error:
+            event_fields["error"] = error
+        extra = [x for kv in (job_fields or {}).items() for x in kv]
+        images = [x for i, data in enumerate(pngs or []) for x in (f"png:{i}", data)]
+        return bool(
+            self._lua["finish"](
+                keys=[
+                    keys.job_key(job_id),
+                    keys.result_key(job_id),
+                    keys.done_key(job_id),
+                    keys.events_key(job_id),
+                    keys.running_key(device_key),
+                    WAKE_KEY,
+                    keys.progress_key(job_id),
+                    RECENT_KEY,
+                    PENDING_COUNT_KEY,
+                    keys.cancel_key(job_id),
+                ],
+                args=[
+                    dispatch,
+                    state,
+                    error,
+                    repr(time.time()),
+                    event(state, **event_fields),
+                    EVENTS_CAP,
+                    RESULT_TTL,
+                    job_id,
+                    "" if meta is None else json.dumps(meta, default=str),
+                    json.dumps(records or []),
+                    len(pngs or []),
+                    WAKE_CAP,
+                    RECENT_CAP,
+                    len(extra),
+                    *extra,
+                    *images,
+                ],
+            )
+        )
+
+    # -- heartbeats and queues (the worker) ----------------------------------------------------
+
+    def beat(self, device_key: str, doc: Mapping[str, Any], ttl_s: float) -> None:
+        """Write the device's heartbeat with a TTL and add it to the known devices."""
+        pipe = self.r.pipeline(transaction=False)
+        pipe.set(keys.heartbeat_key(device_key), json.dumps(doc), px=int(ttl_s * 1000))
+        pipe.sadd(DEVICES_KEY, device_key)
+        pipe.execute()
+
+    def withdraw(self, device_key: str) -> None:
+        """A graceful stop: the scheduler sees the device gone at once."""
+        self.r.delete(keys.heartbeat_key(device_key))
+
+    def queue_length(self, device_key: str) -> int:
+        """Messages waiting in the device's Celery queue (every priority list); the message a
+        worker has reserved is not counted."""
+        pipe = self.r.pipeline(transaction=False)
+        for name in transport.queue_lists(device_key):
+            pipe.llen(name)
+        return int(sum(pipe.execute()))
+
+    # -- tests and operators ---------------------------------------------------------------------
+
+    def ttls(self, job_id: str) -> dict[str, int]:
+        """{key: TTL in seconds} of every key job `job_id` has now (-1: none set)."""
+        names = keys.job_keys(job_id)
+        pipe = self.r.pipeline(transaction=False)
+        for name in names:
+            pipe.ttl(name)
+        return {n: int(t) for n, t in zip(names, pipe.execute(), strict=True) if int(t) != -2}

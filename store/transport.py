@@ -1,0 +1,189 @@
+"""Celery, the transport from the scheduler to a device's worker: the app, the queue of each
+device, kombu's priority lists, and the task message the placement script pushes. The one
+module that knows Celery's and kombu's wire format.
+
+Celery is only the transport here: a message says "run job X under dispatch D" and the job's
+state, progress and result live in the store's own keys. Hence no result backend, JSON only (a
+pickle from the network would run code), and no redelivery by Celery when a worker dies: the
+scheduler re-places lost jobs itself and counts the attempts, so a job that kills workers fails
+as poison instead of looping (facts/celery.md).
+
+kombu's Redis transport stores a message as one JSON document LPUSHed on a list named after
+the queue (priority 0 is the plain name). Calling `send_task` per job cost the scheduler about
+1.3 ms of Python on the path of every job, and it was a second write after the placement: a
+scheduler that died between the two left a placed job without a message. Instead the outbox
+captures, once, the exact document Celery itself publishes for TASK_NAME (sent to a private
+probe queue and popped back at once) and fills in per job only what differs: the arguments in
+the body, the task id, the delivery tag and the routing key. The placement script pushes it
+in the same atomic step that records the placement, so a job is placed and sent, or neither.
+The template is checked when captured: a Celery whose message layout differs from protocol 2
+as read here makes the scheduler fail at start with a clear error, not misroute jobs.
+"""
+
+from __future__ import annotations
+
+import base64
+import copy
+import json
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+TASK_NAME = "sdfarm.generate"
+PRIORITY_STEPS = (0, 3, 6, 9)
+"""kombu's redis transport keeps one list per priority step: `queue` and `queue\\x06\\x16{n}`."""
+VISIBILITY_TIMEOUT_S = 3600
+
+JOB_MARK = "<job>"
+DISPATCH_MARK = "<dispatch>"
+
+
+class TemplateError(RuntimeError):
+    """The captured Celery message is not laid out as this module expects."""
+
+
+def queue_name(device_key: str) -> str:
+    """The Celery queue of one device (`{host}/{device}`): `sdfarm.{host}.{device}`."""
+    return "sdfarm." + device_key.replace("/", ".")
+
+
+def queue_lists(device_key: str) -> list[str]:
+    """The Redis lists that hold the device's waiting messages, one per priority step."""
+    q = queue_name(device_key)
+    return [q if step == 0 else f"{q}\x06\x16{step}" for step in PRIORITY_STEPS]
+
+
+def make_app(redis_url: str, task: Callable[..., Any] | None = None) -> Any:
+    """A Celery app on `redis_url`; with `task` (the worker's), registered as TASK_NAME."""
+    from celery import Celery
+
+    app = Celery("sdfarm", broker=redis_url, set_as_current=False)
+    app.conf.update(
+        broker_connection_retry_on_startup=True,
+        result_backend=None,
+        task_ignore_result=True,
+        task_serializer="json",
+        result_serializer="json",
+        accept_content=["json"],
+        event_serializer="json",
+        # Long jobs: hold exactly the message being run, acknowledge it when it ends.
+        task_acks_late=True,
+        worker_prefetch_multiplier=1,
+        # A dead child's message is acknowledged, not redelivered: the scheduler re-places.
+        task_reject_on_worker_lost=False,
+        worker_hijack_root_logger=False,
+        worker_send_task_events=False,
+        task_send_sent_event=False,
+        worker_enable_remote_control=True,
+        broker_transport_options={"visibility_timeout": VISIBILITY_TIMEOUT_S},
+    )
+    if task is not None:
+        app.task(name=TASK_NAME, ignore_result=True, acks_late=True)(task)
+    return app
+
+
+def on_pool_process(start: Callable[..., Any], stop: Callable[..., Any]) -> None:
+    """Run `start` in each pool process Celery forks (worker_process_init; it must return
+    within Celery's 4 s limit) and `stop` when that process shuts down."""
+    from celery import signals
+
+    signals.worker_process_init.connect(start, weak=False)
+    signals.worker_process_shutdown.connect(stop, weak=False)
+
+
+def run_worker(app: Any, hostname: str, queue: str) -> int:
+    """One prefork pool process consuming `queue` only, until SIGTERM (the running job
+    finishes first); its exit code."""
+    worker = app.Worker(
+        hostname=hostname,
+        pool_cls="prefork",
+        concurrency=1,
+        queues=[queue],
+        loglevel="WARNING",
+        without_gossip=True,
+        without_mingle=True,
+        without_heartbeat=True,
+        quiet=True,
+        redirect_stdouts=False,
+    )
+    worker.start()
+    return int(worker.exitcode or 0)
+
+
+def send(app: Any, job_id: str, dispatch: str, device_key: str) -> None:
+    """Send one task message the way Celery does (for tests that play the scheduler)."""
+    app.send_task(TASK_NAME, args=[job_id, dispatch], queue=queue_name(device_key))
+
+
+class CeleryOutbox:
+    """Builds (list key, message) pairs for TASK_NAME messages on a device's queue."""
+
+    def __init__(self, client: Any, app: Any) -> None:
+        self.r = client
+        self.app = app
+        self._template: dict[str, Any] | None = None
+
+    @classmethod
+    def for_farm(cls, client: Any, redis_url: str) -> CeleryOutbox:
+        """The outbox of the farm's Celery app, its template captured now, so a Celery it
+        cannot read stops the scheduler when it takes the lead."""
+        return cls(client, make_app(redis_url)).prepare()
+
+    def capture(self) -> dict[str, Any]:
+        """Send one real message to a probe queue, pop it back, remove the probe's traces."""
+        probe = f"sdfarm.probe.{uuid.uuid4().hex}"
+        self.app.send_task(TASK_NAME, args=[JOB_MARK, DISPATCH_MARK], queue=probe)
+        raw = self.r.rpop(probe)
+        self.r.delete(probe, f"_kombu.binding.{probe}", f"_kombu.binding_permanent.{probe}")
+        if raw is None:
+            raise TemplateError(f"the probe message on {probe} did not arrive")
+        return check_template(json.loads(raw))
+
+    def prepare(self) -> CeleryOutbox:
+        """Capture the template now (once): a Celery it cannot read fails here, not at the
+        first job."""
+        if self._template is None:
+            self._template = self.capture()
+        return self
+
+    def message(self, job_id: str, dispatch: str, device_key: str) -> tuple[str, str]:
+        """The Redis list to LPUSH and the message that runs `job_id` under `dispatch`."""
+        template = self.prepare()._template
+        assert template is not None
+        queue = queue_name(device_key)
+        return queue, render(template, job_id, dispatch, queue)
+
+
+def check_template(doc: dict[str, Any]) -> dict[str, Any]:
+    """`doc` if it is a protocol-2 message of TASK_NAME with the marker arguments in a base64
+    JSON body, sent without priority; TemplateError naming what differs otherwise."""
+    try:
+        headers, props = doc["headers"], doc["properties"]
+        if headers["task"] != TASK_NAME or headers["id"] != props["correlation_id"]:
+            raise TemplateError("task name or id not where protocol 2 puts them")
+        if props.get("body_encoding") != "base64" or props.get("priority", 0) not in (0, None):
+            raise TemplateError(f"unexpected body encoding or priority in {props}")
+        if doc.get("content-type") != "application/json":
+            raise TemplateError(f"content type {doc.get('content-type')!r}, not JSON")
+        body = json.loads(base64.b64decode(doc["body"]))
+        if body[0] != [JOB_MARK, DISPATCH_MARK] or body[1] != {}:
+            raise TemplateError(f"the arguments are not the body's first item: {body!r}")
+        props["delivery_info"]["routing_key"]  # noqa: B018 - must exist
+    except (KeyError, IndexError, TypeError, ValueError) as exc:
+        raise TemplateError(f"unexpected Celery message layout: {exc!r}") from exc
+    return doc
+
+
+def render(template: dict[str, Any], job_id: str, dispatch: str, queue: str) -> str:
+    """The template with this job's arguments, a fresh task id and delivery tag, and `queue`
+    as its routing key."""
+    doc = copy.deepcopy(template)
+    body = json.loads(base64.b64decode(doc["body"]))
+    body[0] = [job_id, dispatch]
+    doc["body"] = base64.b64encode(json.dumps(body).encode()).decode()
+    task_id = str(uuid.uuid4())
+    headers, props = doc["headers"], doc["properties"]
+    headers.update(id=task_id, root_id=task_id, argsrepr=repr([job_id, dispatch]))
+    props.update(correlation_id=task_id, delivery_tag=str(uuid.uuid4()))
+    props["delivery_info"].update(exchange="", routing_key=queue)
+    return json.dumps(doc)

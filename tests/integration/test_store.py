@@ -1,0 +1,150 @@
+"""The store's transitions against a real redis-server: every key a job creates expires, on
+every way a job can end; scheduler writes are fenced; stale claims claim nothing; a waiter
+never strips the done token's TTL; the snapshot reads what placement needs in one script."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from sdfarm.store import NOT_LEADER, JobSpec, Store, keys, transport
+from sdfarm.store.records import new_dispatch_id
+
+TOKEN = "leader-token"
+SPEC = JobSpec(model="m", params={"prompt": "a cat", "width": 64, "height": 64})
+HELD = (transport.queue_name("nowhere/none"), "{}")
+
+
+@pytest.fixture
+def store(redis_url: str) -> Iterator[Store]:
+    s = Store.connect(redis_url)
+    assert s.take_lease(TOKEN, 60_000)
+    yield s
+    s.close()
+
+
+def submit(store: Store, spec: JobSpec = SPEC) -> str:
+    job_id, _, _ = store.submit(spec, 100)
+    assert job_id is not None
+    return job_id
+
+
+def place(store: Store, job_id: str, device: str = "h/CPU") -> str:
+    dispatch = new_dispatch_id()
+    assert store.place(TOKEN, job_id, 5, device, dispatch, 123, "loaded", (), HELD) == 1
+    return dispatch
+
+
+def assert_all_keys_expire(store: Store, ceiling: int) -> None:
+    """Every key in Redis has a TTL of at most `ceiling`, but the farm-wide ones (and the
+    Celery lists of the transport, which Celery owns)."""
+    held = transport.queue_name("nowhere/none")
+    for raw in store.r.scan_iter(count=1000):
+        name = raw.decode()
+        ttl = store.r.ttl(name)
+        if keys.farm_wide(name) or name == held:
+            continue
+        assert 0 < ttl <= ceiling, f"{name} has TTL {ttl}"
+
+
+def test_a_finished_job_leaves_only_expiring_keys(store: Store) -> None:
+    job_id = submit(store)
+    assert set(store.ttls(job_id)) == {keys.job_key(job_id), keys.events_key(job_id)}
+    assert_all_keys_expire(store, keys.JOB_TTL)
+    dispatch = place(store, job_id)
+    claim = store.claim(job_id, dispatch, "inc-1", "w1")
+    assert claim is not None and claim.estimate == 123 and not claim.cancelled
+    assert not store.publish_progress(job_id, 1, 2, 0.5)
+    assert store.finish(
+        job_id, dispatch, "h/CPU", "done", meta={"a": 1}, records=[], pngs=[b"png-bytes"]
+    )
+    ttls = store.ttls(job_id)
+    assert set(ttls) == {keys.key(k, job_id) for k in ("job", "events", "progress", "result",
+                                                       "done")}  # fmt: skip
+    assert all(0 < t <= keys.RESULT_TTL for t in ttls.values()), ttls
+    assert_all_keys_expire(store, keys.JOB_TTL)
+    # Waiting twice (two clients) sees the token and leaves it, TTL and all.
+    assert store.wait(job_id, 1) and store.wait(job_id, 1)
+    assert 0 < store.ttls(job_id)[keys.done_key(job_id)] <= keys.RESULT_TTL
+    ended = store.ended(job_id)
+    assert ended.state == "done" and ended.pngs == [b"png-bytes"] and ended.meta == {"a": 1}
+    assert store.recent() == [job_id]
+
+
+def test_every_other_ending_expires_too(store: Store) -> None:
+    queued = submit(store)
+    assert store.cancel(queued) == 1  # cancelled while queued
+
+    refused = submit(store)
+    assert store.fail(TOKEN, refused, 5, "too large", [{"device": "h/CPU"}], 10**12) == 1
+
+    running = submit(store)
+    dispatch = place(store, running)
+    assert store.claim(running, dispatch, "inc-1", "w1") is not None
+    assert store.cancel(running) == 2  # a request for its worker
+    assert store.publish_progress(running, 1, 4, 0.1)  # the worker sees it
+    assert store.finish(running, dispatch, "h/CPU", "cancelled")
+
+    poisoned = submit(store)
+    for attempt in range(2):
+        dispatch = place(store, poisoned)
+        job = store.record(poisoned)
+        assert store.claim(poisoned, dispatch, f"inc-{attempt}", "w") is not None
+        job = store.record(poisoned)
+        rc = store.requeue(TOKEN, poisoned, job, "h/CPU", reason="lost", count=True,
+                           max_attempts=2, poison_error="poison: twice")  # fmt: skip
+        assert rc == (1 if attempt == 0 else 2)
+
+    states = {j: store.state(j) for j in (queued, refused, running, poisoned)}
+    assert states == {queued: "cancelled", refused: "failed", running: "cancelled",
+                      poisoned: "failed"}  # fmt: skip
+    for job_id in states:
+        ttls = store.ttls(job_id)
+        assert keys.job_key(job_id) in ttls and keys.done_key(job_id) in ttls
+        assert all(0 < t <= keys.RESULT_TTL for t in ttls.values()), (job_id, ttls)
+    assert_all_keys_expire(store, keys.JOB_TTL)
+
+
+def test_scheduler_writes_are_fenced_on_the_lease(store: Store) -> None:
+    job_id = submit(store)
+    other = "another-scheduler"
+    assert store.place(other, job_id, 5, "h/CPU", "d", 1, "t", (), HELD) == NOT_LEADER
+    assert store.fail(other, job_id, 5, "x", [], 1) == NOT_LEADER
+    assert store.forget(other, "h/CPU", job_id, "d") == NOT_LEADER
+    assert store.state(job_id) == "queued"
+    assert store.release_lease(TOKEN) and store.lease_holder() is None
+    assert store.place(TOKEN, job_id, 5, "h/CPU", "d", 1, "t", (), HELD) == NOT_LEADER
+
+
+def test_a_stale_dispatch_claims_nothing(store: Store) -> None:
+    job_id = submit(store)
+    dispatch = place(store, job_id)
+    assert store.claim(job_id, "old-dispatch", "inc", "w") is None
+    assert store.state(job_id) == "placed"
+    assert store.claim(job_id, dispatch, "inc", "w") is not None
+    assert store.claim(job_id, dispatch, "inc", "w") is None  # a redelivered message
+    assert not store.finish(job_id, "old-dispatch", "h/CPU", "done", meta={})
+
+
+def test_a_full_queue_refuses_and_says_its_depth(store: Store) -> None:
+    store.publish_config(queue_limit=2, backlog=2)
+    submit(store)
+    submit(store)
+    job_id, depth, limit = store.submit(SPEC, 100)
+    assert (job_id, depth, limit) == (None, 2, 2)
+
+
+def test_snapshot_reads_heads_with_their_fields_and_clears_wake(store: Store) -> None:
+    ids = [submit(store) for _ in range(6)]
+    urgent = submit(store, JobSpec(model="u", params={"prompt": "now"}, priority=0))
+    store.r.rpush(keys.pending_key(5), "no-record")
+    reading = store.snapshot(heads=10, facts=2)
+    assert reading.heads[5] == [*ids, "no-record"] and reading.heads[0] == [urgent]
+    assert reading.head_fields[ids[0]][:2] == ["queued", "m"]
+    assert ids[1] in reading.head_fields and ids[2] not in reading.head_fields  # first 2 only
+    assert store.r.llen(keys.WAKE_KEY) == 7  # each submit nudged; not asked to clear
+    store.snapshot(clear_wake=True)
+    assert store.r.llen(keys.WAKE_KEY) == 0
+    assert store.drop_stale("no-record", 5) == 1
+    assert store.drop_stale(ids[0], 5) == 0  # still queued: kept
