@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     if refusal:
         print(f"error: {refusal}", file=sys.stderr)
         return EXIT_USAGE
-    from sdfarm.scheduler.state import find_redis_url
+    from sdfarm.localfarm.state import find_redis_url
 
     url = find_redis_url(args.redis)
     if not url:

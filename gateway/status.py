@@ -2,9 +2,10 @@
 host with a memory split (free, held by our engines, other), loaded models, queue depth by
 priority, running jobs with their progress, and the newest finished jobs as thumbnails.
 
-Everything is read from Redis on each call (one `Farm.status()` plus two pipelines); the only
-gateway-side state is the short list of job ids this gateway process submitted (`RecentJobs`),
-merged with the ids in the Redis list `sdfarm:recent` when something keeps one.
+Everything is read through the store on each call (one `Farm.status()` plus a few batched
+reads); the only gateway-side state is the short list of job ids this gateway process
+submitted (`RecentJobs`), merged with the farm's list of recently finished jobs
+(`Store.recent`).
 """
 
 from __future__ import annotations
@@ -16,14 +17,12 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from sdfarm.scheduler.client import Farm
-from sdfarm.worker import protocol
+from sdfarm.client.farm import Farm
 
-RECENT_KEY = protocol.RECENT_KEY
 RECENT_SHOWN = 8
 RECENT_KEPT = 32  # ids remembered: enough that 8 are done while a batch is still queued
 
-__all__ = ["RECENT_KEY", "RECENT_SHOWN", "RecentJobs", "memory_split", "status_doc"]
+__all__ = ["RECENT_SHOWN", "RecentJobs", "memory_split", "status_doc"]
 
 
 class RecentJobs:
@@ -99,49 +98,39 @@ def status_doc(
 ) -> dict[str, Any]:
     """The JSON document of `GET /v1/status`."""
     st = farm.status()
-    r = farm.r
+    store = farm.store
     devices = [_device(d) for d in st["devices"]]
     hosts: dict[str, list[str]] = {}
     for d in devices:
         hosts.setdefault(str(d["host"]), []).append(str(d["key"]))
 
     running = st["running"]
-    pipe = r.pipeline(transaction=False)
-    for job in running:
-        pipe.get(protocol.progress_key(job["id"]))
-    pipe.lrange(RECENT_KEY, 0, RECENT_KEPT - 1)
-    *progress_raw, shared_recent = pipe.execute()
-    runs = []
-    for job, raw in zip(running, progress_raw, strict=True):
-        try:
-            prog = json.loads(raw) if raw else None
-        except ValueError:
-            prog = None
-        runs.append({**job, "progress": prog if isinstance(prog, dict) else None})
+    progress = store.progress_of([job["id"] for job in running])
+    runs = [
+        {**job, "progress": prog if isinstance(prog, dict) else None}
+        for job, prog in zip(running, progress, strict=True)
+    ]
 
-    ids = list(dict.fromkeys([*local_recent, *(protocol.decode(x) for x in shared_recent)]))
+    ids = list(dict.fromkeys([*local_recent, *store.recent(RECENT_KEPT)]))
     recent: list[dict[str, Any]] = []
-    if ids:
-        pipe = r.pipeline(transaction=False)
-        for job_id in ids:
-            pipe.hmget(protocol.job_key(job_id), "state", "model", "ended", "spec")
-        for job_id, (state, model, ended, spec) in zip(ids, pipe.execute(), strict=True):
-            if protocol.decode(state) != "done":
-                continue
-            try:
-                params = json.loads(spec or "{}").get("params", {})
-            except ValueError:
-                params = {}
-            recent.append(
-                {
-                    "id": job_id,
-                    "model": protocol.decode(model),
-                    "prompt": str(params.get("prompt", ""))[:200],
-                    "ended": float(protocol.decode(ended) or 0.0),
-                    "url": image_url(job_id, 0),
-                }
-            )
-        recent.sort(key=lambda x: x["ended"], reverse=True)
+    fields = store.jobs_fields(ids, ("state", "model", "ended", "spec")) if ids else []
+    for job_id, (state, model, ended, spec) in zip(ids, fields, strict=True):
+        if state != "done":
+            continue
+        try:
+            params = json.loads(spec or "{}").get("params", {})
+        except ValueError:
+            params = {}
+        recent.append(
+            {
+                "id": job_id,
+                "model": model,
+                "prompt": str(params.get("prompt", ""))[:200],
+                "ended": float(ended or 0.0),
+                "url": image_url(job_id, 0),
+            }
+        )
+    recent.sort(key=lambda x: x["ended"], reverse=True)
     return {
         "time": time.time(),
         "leader": st["leader"],

@@ -21,7 +21,7 @@ def free_port() -> int:
 @contextlib.contextmanager
 def cpu_farm(models_dir: Path, host: str) -> Iterator[Any]:
     """A LocalFarm with one CPU worker (one thread, 4 GiB) named `host`."""
-    from sdfarm.scheduler.localfarm import LocalFarm
+    from sdfarm.localfarm.farm import LocalFarm
 
     farm = LocalFarm(
         [models_dir],

@@ -15,7 +15,8 @@ import httpx
 import openai
 import pytest
 
-from sdfarm.worker import protocol
+from sdfarm.native.params import MAX_BATCH, MAX_SIZE
+from sdfarm.store import Store
 
 from helpers.gateway import cpu_farm, served_gateway
 
@@ -110,9 +111,11 @@ def test_openai_errors_have_status_and_shape(client: openai.OpenAI, gateway: str
 
 def test_raw_error_shapes(http: httpx.Client, gateway: str) -> None:
     body = {"model": MODEL, "prompt": "x", "size": "64x64"}
-    e = _error(r := http.post("/v1/images/generations", json={**body, "size": "64x4096"}))
+    e = _error(
+        r := http.post("/v1/images/generations", json={**body, "size": f"64x{MAX_SIZE + 8}"})
+    )
     assert r.status_code == 400 and e["param"] == "size"
-    e = _error(r := http.post("/v1/images/generations", json={**body, "n": 5}))
+    e = _error(r := http.post("/v1/images/generations", json={**body, "n": MAX_BATCH + 1}))
     assert r.status_code == 400 and e["param"] == "n"
     e = _error(r := http.post("/v1/images/generations", json={**body, "model": "nope"}))
     assert r.status_code == 404 and e["param"] == "model"
@@ -127,16 +130,15 @@ def test_raw_error_shapes(http: httpx.Client, gateway: str) -> None:
 
 
 def test_queue_full_is_429_with_retry_after(http: httpx.Client, local_farm: Any) -> None:
-    import redis
-
-    r = redis.Redis.from_url(local_farm.url)
-    r.hset(protocol.CONFIG_KEY, "queue_limit", 0)
+    store = Store.connect(local_farm.url)
+    config = store.queues()["config"]
+    store.publish_config(0, int(config["backlog"]))
     try:
         resp = http.post("/v1/jobs", json={"model": MODEL, "prompt": "x", "width": 64,
                                            "height": 64, **SMALL})  # fmt: skip
     finally:
-        r.hdel(protocol.CONFIG_KEY, "queue_limit")
-        r.close()
+        store.publish_config(int(config["queue_limit"]), int(config["backlog"]))
+        store.close()
     assert resp.status_code == 429 and int(resp.headers["retry-after"]) > 0
     assert _error(resp)["code"] == "queue_full"
 

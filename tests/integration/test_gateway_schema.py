@@ -10,11 +10,10 @@ from typing import Any
 
 import httpx
 import pytest
+import schemathesis
+from hypothesis import HealthCheck, settings
 
 from helpers.gateway import cpu_farm, served_gateway
-
-schemathesis = pytest.importorskip("schemathesis")
-from hypothesis import HealthCheck, settings  # noqa: E402
 
 TOKEN = "gateway-schema-token"
 EXAMPLES = 10

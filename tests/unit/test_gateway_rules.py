@@ -1,5 +1,6 @@
-"""The gateway's pure rules: size parsing, error mapping (OpenAI's shape and status codes),
-token and bind rules, the body limit. No farm: the app points at a Redis that is not there."""
+"""The gateway's pure rules: size parsing, the request models derived from the job schema,
+error mapping (OpenAI's shape and status codes), token and bind rules, the body limit. No farm:
+the app points at a Redis that is not there (parameters are checked before Redis is asked)."""
 
 from __future__ import annotations
 
@@ -9,17 +10,20 @@ from collections.abc import Iterator
 import pytest
 from fastapi.testclient import TestClient
 
-from sdfarm.gateway.app import APIError, _farm_error, create_app, parse_size
+from sdfarm.client.farm import FarmBusyError, JobCancelled, JobFailed, UnknownModelError
+from sdfarm.gateway import create_app
 from sdfarm.gateway.cli import check_bind, collect_tokens, is_loopback
+from sdfarm.gateway.errors import APIError, _farm_error
+from sdfarm.gateway.schemas import ImagesRequest, JobRequest, parse_size
 from sdfarm.native.errors import InvalidParameterError
-from sdfarm.scheduler.client import JobCancelled, JobFailed, UnknownModelError
-from sdfarm.scheduler.fairness import FarmBusyError
+from sdfarm.native.params import BY_NAME, MAX_BATCH, MAX_SIZE, NAMES
 
 NOWHERE = "redis://127.0.0.1:1/0"
 
 
 @pytest.mark.parametrize(
-    ("size", "want"), [("64x64", (64, 64)), ("2048x8", None), ("512X768", (512, 768))]
+    ("size", "want"),
+    [("64x64", (64, 64)), ("2048x8", None), ("512X768", (512, 768)), ("4096x64", (4096, 64))],
 )
 def test_parse_size(size: str, want: tuple[int, int] | None) -> None:
     if want is None:
@@ -30,11 +34,34 @@ def test_parse_size(size: str, want: tuple[int, int] | None) -> None:
         assert parse_size(size) == want
 
 
-@pytest.mark.parametrize("size", ["", "64", "64x", "x64", "65x64", "64x2056", "2056x64", "axb"])
+@pytest.mark.parametrize("size", ["", "64", "64x", "x64", "65x64", "64x4104", "4104x64", "axb"])
 def test_bad_sizes_name_the_param(size: str) -> None:
     with pytest.raises(APIError) as info:
         parse_size(size)
     assert (info.value.status, info.value.param) == (400, "size")
+
+
+def test_a_bad_side_gets_the_schemas_own_error_text() -> None:
+    with pytest.raises(InvalidParameterError) as want:
+        BY_NAME["width"].check(4104)
+    with pytest.raises(APIError) as got:
+        parse_size("4104x64")
+    assert got.value.message == str(want.value)
+
+
+def test_request_models_are_the_job_schema() -> None:
+    assert list(JobRequest.model_fields) == ["model", *NAMES, "priority", "submitter"]
+    carried = {"width", "height", "batch_count"}
+    openai_fields = {"model", "n", "size", "response_format", "user", "priority"}
+    assert set(ImagesRequest.model_fields) == openai_fields | (set(NAMES) - carried)
+    for name in NAMES:
+        p, field = BY_NAME[name], JobRequest.model_fields[name]
+        assert field.is_required() == p.required and p.help in (field.description or "")
+    props = JobRequest.model_json_schema()["properties"]
+    assert (props["width"]["minimum"], props["width"]["maximum"]) == (64, MAX_SIZE)
+    assert props["width"]["multipleOf"] == 8 and props["seed"]["minimum"] == -1
+    assert "euler" in props["sampler"]["enum"]
+    assert ImagesRequest.model_json_schema()["properties"]["n"]["maximum"] == MAX_BATCH
 
 
 def test_error_mapping() -> None:
@@ -93,6 +120,24 @@ def test_body_limit_counts_chunked_bodies(open_app: TestClient) -> None:
         "/v1/jobs", content=b"{not json", headers={"content-type": "application/json"}
     )
     assert r.status_code == 400 and "error" in r.json()
+
+
+def test_bad_values_are_refused_by_the_schemas_check(open_app: TestClient) -> None:
+    """Ranges come from Param.check (through Farm.submit): the same text as every door."""
+    job = {"model": "m", "prompt": "x"}
+    r = open_app.post("/v1/jobs", json={**job, "width": 60})
+    with pytest.raises(InvalidParameterError) as want:
+        BY_NAME["width"].check(60)
+    assert r.status_code == 400 and r.json()["error"]["message"] == str(want.value)
+    assert r.json()["error"]["param"] == "width"
+    r = open_app.post("/v1/jobs", json={**job, "sampler": "nope"})
+    assert (r.status_code, r.json()["error"]["param"]) == (400, "sampler")
+    r = open_app.post("/v1/jobs", json={**job, "unknown": 1})
+    assert (r.status_code, r.json()["error"]["param"]) == (400, "unknown")
+    for extra, param in [({"size": "64x4104"}, "size"), ({"n": MAX_BATCH + 1}, "n"),
+                         ({"steps": 0}, "steps"), ({"user": "u" * 201}, "user")]:  # fmt: skip
+        r = open_app.post("/v1/images/generations", json={**job, **extra})
+        assert (r.status_code, r.json()["error"]["param"]) == (400, param), r.json()
 
 
 def test_tokens_are_required_when_configured() -> None:

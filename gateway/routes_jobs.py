@@ -1,0 +1,122 @@
+"""The jobs API: `POST /v1/jobs` queues a job and answers at once (202), then
+`GET /v1/jobs/{id}` (its record), `/image.png` (an image, by token or signed URL),
+`/events` (server-sent events until it ends) and `DELETE` (cancel).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import Response, StreamingResponse
+
+from sdfarm.client.farm import Farm, Job
+from sdfarm.gateway.auth import gate, require_token
+from sdfarm.gateway.errors import APIError, _errors, _farm_error
+from sdfarm.gateway.schemas import JobRequest, body_doc, json_body, parse, submit_args
+from sdfarm.gateway.sse import stream
+
+router = APIRouter()
+JOB_ID = re.compile(r"[0-9a-f]{32}")
+
+
+def job_or_404(farm: Farm, job_id: str) -> Job:
+    """The job, or the 404 when the id is malformed or the farm holds no record of it."""
+    if not JOB_ID.fullmatch(job_id):
+        raise APIError(404, f"no job {job_id}", param="id", code="job_not_found")
+    job = farm.job(job_id)
+    try:
+        state = job.state()
+    except Exception as exc:  # noqa: BLE001 - Redis away: 503
+        raise _farm_error(exc) from None
+    if not state:
+        raise APIError(404, f"no job {job_id} (unknown or expired)", code="job_not_found")
+    return job
+
+
+@router.post(
+    "/v1/jobs",
+    status_code=202,
+    dependencies=[Depends(require_token)],
+    responses=_errors(400, 401, 404, 413, 429, 503),
+    openapi_extra=body_doc(JobRequest),
+)
+def create_job(request: Request, body: Any = Depends(json_body)) -> Any:  # noqa: B008
+    model, prompt, kwargs = submit_args(parse(JobRequest, body).model_dump())
+    try:
+        job = request.app.state.farm.submit(model, prompt, **kwargs)
+    except Exception as exc:  # noqa: BLE001
+        raise _farm_error(exc) from None
+    request.app.state.recent.add(job.id)
+    return {"id": job.id, "state": "queued"}
+
+
+@router.get(
+    "/v1/jobs/{job_id}", dependencies=[Depends(require_token)], responses=_errors(401, 404, 503)
+)
+def get_job(request: Request, job_id: str) -> Any:
+    farm: Farm = request.app.state.farm
+    job = job_or_404(farm, job_id)
+    rec = job.record()
+    spec = json.loads(rec.get("spec") or "{}")
+    doc: dict[str, Any] = {
+        "id": job_id,
+        "state": rec.get("state", ""),
+        "model": rec.get("model", ""),
+        "submitter": rec.get("submitter", ""),
+        "priority": int(rec.get("priority") or 0),
+        "params": spec.get("params", {}),
+        "device": rec.get("device") or None,
+        "created": float(rec["created"]) if rec.get("created") else None,
+        "ended": float(rec["ended"]) if rec.get("ended") else None,
+        "error": rec.get("error") or None,
+        "estimate": int(rec["estimate"]) if rec.get("estimate", "").isdigit() else None,
+        "progress": job.progress(),
+        "images": farm.store.image_count(job_id),
+    }
+    if doc["state"] == "done":
+        doc["image_urls"] = [f"/v1/jobs/{job_id}/image.png?i={i}" for i in range(doc["images"])]
+    return doc
+
+
+@router.get(
+    "/v1/jobs/{job_id}/image.png",
+    responses={200: {"content": {"image/png": {}}}, **_errors(401, 404, 409, 503)},
+)
+def get_image(request: Request, job_id: str, i: int = 0, sig: str = "") -> Any:
+    if not gate(request).signed(job_id, i, sig):
+        gate(request).authorize(request)
+    farm: Farm = request.app.state.farm
+    state = job_or_404(farm, job_id).state()
+    if state != "done":
+        raise APIError(409, f"job {job_id} is {state}, it has no image", code="job_not_done")
+    png = farm.store.image(job_id, i)
+    if png is None:
+        raise APIError(404, f"job {job_id} has no image {i}", param="i", code="no_image")
+    return Response(png, media_type="image/png")
+
+
+@router.delete(
+    "/v1/jobs/{job_id}", dependencies=[Depends(require_token)], responses=_errors(401, 404, 503)
+)
+def cancel_job(request: Request, job_id: str) -> Any:
+    job = job_or_404(request.app.state.farm, job_id)
+    cancelled = job.cancel()
+    return {"id": job_id, "cancelled": cancelled, "state": job.state()}
+
+
+@router.get(
+    "/v1/jobs/{job_id}/events",
+    dependencies=[Depends(require_token)],
+    responses={200: {"content": {"text/event-stream": {}}}, **_errors(401, 404, 503)},
+)
+def job_events(request: Request, job_id: str) -> Any:
+    farm: Farm = request.app.state.farm
+    job_or_404(farm, job_id)
+    return StreamingResponse(
+        stream(farm.store, job_id),
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+    )

@@ -1,0 +1,77 @@
+"""OpenAI's images API over the farm: `POST /v1/images/generations` (one job of `n` images,
+waited for, answered as base64 or as signed URLs) and `GET /v1/models`, so the `openai`
+package and other OpenAI clients work unchanged.
+"""
+
+from __future__ import annotations
+
+import base64
+import time
+from typing import Any
+
+from fastapi import APIRouter, Depends, Request
+
+from sdfarm.client.farm import Farm
+from sdfarm.gateway.auth import gate, require_token
+from sdfarm.gateway.errors import APIError, _errors, _farm_error
+from sdfarm.gateway.schemas import (
+    RESPONSE_FORMATS,
+    ImagesRequest,
+    body_doc,
+    json_body,
+    parse,
+    parse_size,
+    submit_args,
+)
+
+router = APIRouter(dependencies=[Depends(require_token)])
+OPENAI_FIELDS = {"n", "size", "response_format", "user"}
+
+
+@router.post(
+    "/v1/images/generations",
+    responses=_errors(400, 401, 404, 409, 413, 429, 503, 504, 507),
+    openapi_extra=body_doc(ImagesRequest),
+)
+def images_generations(request: Request, body: Any = Depends(json_body)) -> Any:  # noqa: B008
+    req = parse(ImagesRequest, body)
+    if req.response_format not in RESPONSE_FORMATS:
+        raise APIError(
+            400,
+            f"invalid response_format: {req.response_format!r} (url or b64_json)",
+            param="response_format",
+            code="invalid_parameter",
+        )
+    width, height = parse_size(req.size)
+    values = req.model_dump(exclude=OPENAI_FIELDS)
+    values.update(width=width, height=height, batch_count=req.n, submitter=req.user)
+    model, prompt, kwargs = submit_args(values)
+    farm: Farm = request.app.state.farm
+    try:
+        job = farm.submit(model, prompt, **kwargs)
+        request.app.state.recent.add(job.id)
+        result = job.result(request.app.state.timeout_s)
+    except Exception as exc:  # noqa: BLE001 - every error becomes an OpenAI error
+        raise _farm_error(exc, size_param=True) from None
+    if req.response_format == "b64_json":
+        data = [{"b64_json": base64.b64encode(p).decode()} for p in result.pngs]
+    else:
+        base = str(request.base_url).rstrip("/")
+        urls = (gate(request).image_url(job.id, i) for i in range(len(result.pngs)))
+        data = [{"url": f"{base}/{url}"} for url in urls]
+    return {"created": int(time.time()), "data": data}
+
+
+@router.get("/v1/models", responses=_errors(401, 503))
+def list_models(request: Request) -> Any:
+    farm: Farm = request.app.state.farm
+    try:
+        models = farm.models()
+    except Exception as exc:  # noqa: BLE001
+        raise _farm_error(exc) from None
+    return {
+        "object": "list",
+        "data": [
+            {"id": m["name"], "object": "model", "created": 0, "owned_by": "sdfarm"} for m in models
+        ],
+    }

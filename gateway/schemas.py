@@ -1,0 +1,145 @@
+"""The gateway's request bodies, derived from the job schema (sdfarm.native.params).
+
+No parameter is listed here: `JobRequest` and `ImagesRequest` are built with
+`pydantic.create_model` from `PARAMS` (and the options priority and submitter from `OPTIONS`),
+so a new generation parameter reaches both endpoints and the OpenAPI document with no change
+here. Pydantic checks the types only; the ranges are `Param.check`'s (run by `Farm.submit`), so
+a bad value gets the one error text every door gives, and they are written into the JSON
+schema so that the document shows them.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+from fastapi import Request
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
+
+from sdfarm.gateway.errors import APIError, validation_error
+from sdfarm.native.errors import InvalidParameterError
+from sdfarm.native.params import BY_NAME, OPTIONS, PARAMS, Param
+
+CARRIED = ("width", "height", "batch_count")
+"""The parameters OpenAI's request carries in `size` and `n`."""
+RESPONSE_FORMATS = ("url", "b64_json")
+SIZE_RE = r"\s*(\d{1,5})\s*[xX]\s*(\d{1,5})\s*"
+DEFAULT_SUBMITTER = "gateway"
+_OPTION = {p.name: p for p in OPTIONS}
+
+
+def schema_rules(p: Param) -> dict[str, Any]:
+    """The JSON schema keywords of `p`'s allowed values (ranges, choices, lengths)."""
+    if p.kind == "choice":
+        return {"enum": list(p.choices)}
+    if p.kind == "text":
+        return {"maxLength": p.max_chars} if p.max_chars else {}
+    if p.lo is None:
+        return {}
+    rules: dict[str, Any] = {"minimum": p.lo, "maximum": p.hi}
+    if p.step:
+        rules["multipleOf"] = p.step
+    if p.auto is None:
+        return rules
+    if p.auto == p.lo - 1:  # seed: -1 picks one, so the range simply starts there
+        return {**rules, "minimum": p.auto}
+    return {"anyOf": [{"const": p.auto}, rules]}
+
+
+def _field(p: Param, *, help: str | None = None, nullable: bool = False) -> Any:  # noqa: A002
+    """(type, FieldInfo) of `p` for create_model; `nullable`: null, the default, means the
+    gateway's own value (a text option: the submitter)."""
+    rules = schema_rules(p)
+    if nullable:
+        text = f"{help or p.help} ({p.range_text}; default: {DEFAULT_SUBMITTER})"
+        return (p.python_type | None, Field(None, description=text, json_schema_extra=rules))
+    text = f"{help or p.help} ({p.range_text})"
+    default = ... if p.required else p.default
+    return (p.python_type, Field(default, description=text, json_schema_extra=rules))
+
+
+def _option(name: str, help: str | None = None) -> Any:  # noqa: A002
+    p = _OPTION[name]
+    return _field(p, help=help, nullable=p.kind == "text")
+
+
+_MODEL = (str, Field(min_length=1, description="the model's name (GET /v1/models lists them)"))
+
+JobRequest: type[BaseModel] = create_model(
+    "JobRequest",
+    __config__=ConfigDict(extra="forbid"),
+    __doc__="One job: a model, the generation parameters and the job options.",
+    model=_MODEL,
+    **{p.name: _field(p) for p in PARAMS},
+    priority=_option("priority"),
+    submitter=_option("submitter", help="the name fair share counts the job for"),
+)
+ImagesRequest: type[BaseModel] = create_model(
+    "ImagesRequest",
+    __config__=ConfigDict(extra="ignore"),
+    __doc__="OpenAI's images/generations body (its other fields, quality and style, are "
+    "ignored), with every generation parameter but the ones `size` and `n` carry.",
+    model=_MODEL,
+    prompt=_field(BY_NAME["prompt"]),
+    n=_field(BY_NAME["batch_count"], help="images to make, seeds seed, seed+1, ..."),
+    size=(
+        str,
+        Field(
+            f"{BY_NAME['width'].default}x{BY_NAME['height'].default}",
+            description=f"WIDTHxHEIGHT, each side {BY_NAME['width'].range_text}",
+            json_schema_extra={"pattern": f"^{SIZE_RE}$"},
+        ),
+    ),
+    response_format=(str, Field("url", json_schema_extra={"enum": list(RESPONSE_FORMATS)})),
+    user=_option("submitter", help="who fair share counts the job for"),
+    **{p.name: _field(p) for p in PARAMS if p.name not in ("prompt", *CARRIED)},
+    priority=_option("priority"),
+)
+
+
+def parse_size(size: str) -> tuple[int, int]:
+    """ "WxH" -> (W, H), each checked by the width and height Params; APIError(400,
+    param="size") otherwise."""
+    m = re.fullmatch(SIZE_RE, size or "")
+    if not m:
+        raise APIError(
+            400, f"invalid size: {size!r} is not WIDTHxHEIGHT", param="size", code="invalid_size"
+        )
+    try:
+        return BY_NAME["width"].check(int(m.group(1))), BY_NAME["height"].check(int(m.group(2)))
+    except InvalidParameterError as exc:
+        raise APIError(400, str(exc), param="size", code="invalid_parameter") from None
+
+
+def parse(model: type[BaseModel], body: Any) -> Any:
+    """`body` as `model`, or the 400 naming the first bad field."""
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        raise validation_error(exc.errors()) from None
+
+
+async def json_body(request: Request) -> Any:
+    """Dependency: the request's JSON body (validated by the handler, so that authorization
+    comes first and every error has OpenAI's shape)."""
+    raw = await request.body()
+    try:
+        return json.loads(raw or b"null")
+    except ValueError as exc:
+        raise APIError(400, f"the body is not JSON: {exc}", code="invalid_json") from None
+
+
+def body_doc(model: type[BaseModel]) -> dict[str, Any]:
+    """`openapi_extra` of a route whose JSON body the handler validates: its requestBody."""
+    schema = model.model_json_schema()
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
+
+
+def submit_args(values: dict[str, Any]) -> tuple[str, str, dict[str, Any]]:
+    """(model, prompt, the other keyword arguments of Farm.submit) of a parsed request's
+    values (`model_dump()`, with OpenAI's fields already turned into parameters)."""
+    values = dict(values)
+    if values.get("submitter") is None:
+        values["submitter"] = DEFAULT_SUBMITTER
+    return values.pop("model"), values.pop("prompt"), values
