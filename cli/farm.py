@@ -1,5 +1,6 @@
-"""The farm's commands of the `sdfarm` CLI: up, worker, scheduler, batch, status, cancel,
-models, and `generate` without --in-process.
+"""The farm's commands of the `sdfarm` CLI: up, worker, scheduler and gateway here, and their
+parser with batch (cli/batch.py), status, cancel, models and `generate` without --in-process
+(cli/jobs.py), plus the helpers those share: finding the farm, errors as JSON.
 
 A command that needs a farm finds one the way `state.find_redis_url` says (--redis, then
 $SDFARM_REDIS_URL, then the local farm `sdfarm up` announced); `generate` and `batch` start a
@@ -20,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from sdfarm.cli.main import EXIT_FARM, emit, error_doc, exit_code
-from sdfarm.cli.options import add_option_flags, add_param_flags, given_options, given_params
+from sdfarm.cli.options import add_option_flags, add_param_flags
 
 EXIT_BATCH_FAILED = 1
 
@@ -200,241 +201,6 @@ def cmd_gateway(args: argparse.Namespace) -> int:
     return gateway_main(args.argv)
 
 
-# -- batch ---------------------------------------------------------------------------------------
-
-
-def _progress(enabled: bool, total: int, skipped: int) -> Any:
-    from rich.console import Console
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        Progress,
-        TextColumn,
-        TimeElapsedColumn,
-        TimeRemainingColumn,
-    )
-
-    return Progress(
-        TextColumn("[bold]{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn("{task.fields[failed]} failed"),
-        TimeElapsedColumn(),
-        TimeRemainingColumn(),
-        console=Console(stderr=True),
-        disable=not enabled,
-        transient=False,
-    )
-
-
-def cmd_batch(args: argparse.Namespace) -> int:
-    from sdfarm.client.batch import (
-        BatchInputError,
-        existing_files,
-        read_items,
-        run_batch,
-        split_done,
-    )
-
-    try:
-        items = read_items(args.file, args.format)
-    except (OSError, BatchInputError) as exc:
-        return _fail(args, exc, 2)
-    out = Path(args.out)
-    todo, _ = split_done(items, existing_files(out))
-    model, dirs = _split_model(args.model, _models_dirs(args.models))
-    if not todo:
-        # Nothing to render: no farm is needed (and none is started) to say so.
-        from sdfarm.client.batch import Summary
-
-        summary = Summary(total=len(items), skipped=len(items), out=str(out), model=model)
-        _report(args, summary)
-        return 0
-    try:
-        with farm_url(args.redis, dirs, args.threads) as url:
-            farm = _connect(url)
-            with _progress(not args.quiet, len(todo), len(items) - len(todo)) as bar:
-                task = bar.add_task(f"{model}", total=len(todo), failed=0)
-                failed = 0
-
-                def on_progress(kind: str, item: Any, n: int) -> None:
-                    nonlocal failed
-                    failed += kind == "failed"
-                    bar.update(task, completed=n, failed=failed)
-
-                summary = run_batch(
-                    farm,
-                    items,
-                    out,
-                    model,
-                    common=given_params(args),
-                    priority=9 if args.priority is None else args.priority,
-                    in_flight=args.in_flight,
-                    on_progress=on_progress,
-                    submitter=args.submitter,
-                )
-    except KeyboardInterrupt:
-        _err("interrupted: finished images are kept; run the same command again to resume")
-        return 130
-    except Exception as exc:  # noqa: BLE001 - farm start or connection failures
-        return _fail(args, exc)
-    _report(args, summary)
-    return EXIT_BATCH_FAILED if summary.failed else 0
-
-
-def _report(args: argparse.Namespace, summary: Any) -> None:
-    if args.json:
-        emit(summary.to_dict())
-    else:
-        print(summary.text())
-
-
-# -- status / cancel / models --------------------------------------------------------------------
-
-
-def _fmt_bytes(n: Any) -> str:
-    from sdfarm.native.devices import format_bytes
-
-    return format_bytes(n) if isinstance(n, int) else "-"
-
-
-def _print_status(doc: dict[str, Any]) -> None:
-    """Human form of Farm.status(): a line per device, its loaded models, then the queues."""
-    devices = doc.get("devices") or []
-    leader = doc.get("leader") or "none (no scheduler running)"
-    print(f"scheduler: {leader}")
-    if not devices:
-        print("no workers")
-    for d in devices:
-        where = d.get("key") or f"{d.get('host', '?')}/{d.get('device', '?')}"
-        alive = "" if d.get("alive", True) else "  (no heartbeat)"
-        print(
-            f"{where:<28} {d.get('type', ''):<5} {d.get('state', ''):<8} "
-            f"free {_fmt_bytes(d.get('free'))} of {_fmt_bytes(d.get('total'))}, "
-            f"figure {_fmt_bytes(d.get('figure'))}, "
-            f"MemAvailable {_fmt_bytes(d.get('mem_available'))}, "
-            f"jobs {d.get('queued', 0)}{alive}"
-        )
-        for m in d.get("loaded") or []:
-            if not isinstance(m, dict):
-                continue
-            state = "busy" if m.get("busy") else f"idle {m.get('idle_s') or 0:.0f} s"
-            pinned = ", pinned" if m.get("pinned") else ""
-            print(
-                f"    {m.get('name', '?'):<24} {state}{pinned}, "
-                f"estimate {_fmt_bytes(m.get('estimate'))}"
-            )
-    queues = doc.get("queues") or {}
-    depth = ", ".join(f"p{p}: {n}" for p, n in sorted(queues.items()) if n) or "empty"
-    print(f"queue: {depth} (pending {doc.get('pending', 0)})")
-    for job in doc.get("running") or []:
-        print(
-            f"    {job.get('id')} {job.get('state', '')} {job.get('model', '')} on "
-            f"{job.get('device') or '-'} (p{job.get('priority', '?')}, {job.get('submitter', '')})"
-        )
-
-
-def cmd_status(args: argparse.Namespace) -> int:
-    try:
-        doc = _connect(_need_url(args)).status()
-    except Exception as exc:  # noqa: BLE001
-        return _fail(args, exc)
-    if args.json:
-        emit(doc)
-    else:
-        _print_status(doc)
-    return 0
-
-
-def cmd_cancel(args: argparse.Namespace) -> int:
-    """A queued job is cancelled at once; a placed or running one on request (its worker
-    stops it), so the reply says which, and `already done` when there was nothing to do."""
-    try:
-        job = _connect(_need_url(args)).job(args.id)
-        if not job.state():
-            raise LookupError(f"no job {args.id} (unknown, or its record expired)")
-        requested = bool(job.cancel())
-        state = job.state()
-    except Exception as exc:  # noqa: BLE001
-        return _fail(args, exc)
-    doc = {"id": args.id, "cancelled": requested, "state": state}
-    if args.json:
-        emit(doc)
-    elif not requested:
-        print(f"{args.id}: already {state}")
-    else:
-        print(
-            f"{args.id}: "
-            + ("cancelled" if state == "cancelled" else f"cancel requested ({state})")
-        )
-    return 0
-
-
-def cmd_models(args: argparse.Namespace) -> int:
-    try:
-        models = _connect(_need_url(args)).models()
-    except Exception as exc:  # noqa: BLE001
-        return _fail(args, exc)
-    if args.json:
-        emit({"models": models})
-    else:
-        for m in models:
-            print(m if isinstance(m, str) else m.get("name", m))
-    return 0
-
-
-# -- generate without --in-process ---------------------------------------------------------------
-
-
-def generate_on_farm(args: argparse.Namespace) -> int:
-    """`sdfarm generate`: one job at interactive priority on the running farm (else a private
-    local farm for the call); writes the PNG(s) like --in-process does."""
-    from sdfarm.native.errors import EngineError, InvalidParameterError
-
-    model, dirs = _split_model(args.model, _models_dirs(args.models))
-    if args.device != "auto" or args.no_check_memory:
-        _err("note: --device and --no-check-memory apply to --in-process; the farm places jobs")
-    params = given_params(args)
-    options = {"priority": 0, **given_options(args)}
-    try:
-        from sdfarm.native.params import from_mapping, validate
-
-        validate(from_mapping({"prompt": args.prompt, **params}))
-        with farm_url(args.redis, dirs, args.threads) as url:
-            farm = _connect(url)
-            job = farm.submit(model, args.prompt, **params, **options)
-            result = job.result(args.timeout)
-    except KeyboardInterrupt:
-        return 130
-    except (InvalidParameterError, EngineError) as exc:
-        return _fail(args, exc)
-    except Exception as exc:  # noqa: BLE001 - farm errors become a message and EXIT_FARM
-        return _fail(args, exc, EXIT_FARM if exit_code(exc) == 1 else None)
-    out = Path(args.output)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    outputs = []
-    pngs = list(getattr(result, "pngs", None) or [result.png])
-    for i, data in enumerate(pngs):
-        path = out if i == 0 else out.with_name(f"{out.stem}-{i}{out.suffix}")
-        path.write_bytes(data)
-        outputs.append(str(path))
-    meta = dict(getattr(result, "metadata", {}) or {})
-    doc = {"output": outputs[0], "outputs": outputs, "job": job.id, "redis_url": url, **meta}
-    doc["records"] = list(getattr(result, "records", []) or [])
-    if args.json:
-        emit(doc)
-    else:
-        timings = meta.get("timings", {})
-        print(
-            f"{outputs[0]}: job {job.id} on {meta.get('host', '?')}/{meta.get('device', '?')}, "
-            f"seed {meta.get('seed', '?')}, generate {timings.get('generate_s', '?')} s"
-        )
-        for r in doc["records"]:
-            if isinstance(r, dict):
-                print(f"[{r.get('level')}] {r.get('message')}", file=sys.stderr)
-    return 0
-
-
 # -- parser --------------------------------------------------------------------------------------
 
 
@@ -450,6 +216,8 @@ def _models_arg(p: argparse.ArgumentParser, help: str) -> None:
 
 def add_farm_commands(sub: Any) -> None:
     """Register the farm's subcommands on `sdfarm`'s subparsers."""
+    from sdfarm.cli import batch, jobs  # they use this module's helpers
+
     up = sub.add_parser("up", help="a local farm: redis-server, scheduler, a worker per device")
     _models_arg(up, "a directory of models (repeatable; also $SDFARM_MODELS)")
     up.add_argument(
@@ -480,29 +248,29 @@ def add_farm_commands(sub: Any) -> None:
     _models_arg(b, "model directories, used only to start a local farm when none runs")
     b.add_argument("--format", choices=("text", "csv", "jsonl"), default=None)
     add_param_flags(b, defaults=False)
-    add_option_flags(b, "priority", "submitter")
+    add_option_flags(b, "priority", "submitter", "deadline_s")
     b.add_argument("--in-flight", type=int, default=8, help="jobs queued on the farm at once")
     b.add_argument("--threads", type=int, default=None, help="for a local farm started here")
     b.add_argument("--quiet", action="store_true", help="no progress bar")
     _redis_arg(b)
     b.add_argument("--json", action="store_true")
-    b.set_defaults(func=cmd_batch)
+    b.set_defaults(func=batch.cmd_batch)
 
     s = sub.add_parser("status", help="hosts, devices, memory, loaded models, queues")
     _redis_arg(s)
     s.add_argument("--json", action="store_true")
-    s.set_defaults(func=cmd_status)
+    s.set_defaults(func=jobs.cmd_status)
 
     c = sub.add_parser("cancel", help="cancel a queued or running job")
     c.add_argument("id")
     _redis_arg(c)
     c.add_argument("--json", action="store_true")
-    c.set_defaults(func=cmd_cancel)
+    c.set_defaults(func=jobs.cmd_cancel)
 
     m = sub.add_parser("models", help="the models the farm's workers can load")
     _redis_arg(m)
     m.add_argument("--json", action="store_true")
-    m.set_defaults(func=cmd_models)
+    m.set_defaults(func=jobs.cmd_models)
 
     # `generate` (defined in cli.py) gets a timeout for the farm path.
     gen = sub.choices.get("generate")

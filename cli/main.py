@@ -116,7 +116,7 @@ def cmd_make_test_model(args: argparse.Namespace) -> int:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     if not args.in_process:
-        from sdfarm.cli.farm import generate_on_farm
+        from sdfarm.cli.jobs import generate_on_farm
 
         return generate_on_farm(args)
     from sdfarm.cli.inprocess import generate_in_process
@@ -162,7 +162,7 @@ def add_generation_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("-o", "--output", default="out.png")
     add_param_flags(p)
-    add_option_flags(p, "log_level", "log_prompts", "priority")
+    add_option_flags(p, "log_level", "log_prompts", "priority", "deadline_s")
     p.add_argument("--device", default="auto", help="auto, gpu, cpu or a device name")
     p.add_argument(
         "--no-check-memory",

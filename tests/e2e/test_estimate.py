@@ -23,3 +23,25 @@ def test_peak_rss_above_the_native_size_stays_under_the_grown_estimate(tiny_mode
     assert 0 < row["peak_rss"] <= row["estimate"]
     total = sum(f.stat().st_size for f in tiny_models[0].iterdir() if f.suffix == ".safetensors")
     assert row["estimate"] > estimate_bytes(total, 256, 256, 256 * 256)
+
+
+def test_scheduler_worker_cache_and_engine_judge_a_job_by_one_estimate(models_dir: Path) -> None:
+    """A 384x384 job (above the native 256x256, so the size term counts) on a real farm: the
+    estimate the scheduler placed it with (its record), the figure the worker's engine cache
+    made room for (the `loading` event) and the one the engine checked (the result's
+    metadata) are one number, and an engine loaded here computes the same."""
+    from sdfarm.client.farm import Farm
+    from sdfarm.native.engine import Engine
+
+    from helpers.gateway import cpu_farm
+
+    with cpu_farm(models_dir, "estimatehost") as local, Farm(local.url) as farm:
+        job = farm.submit("tiny-f16", "one estimate", width=384, height=384, steps=1)
+        result = job.result(120)
+        placed = int(job.record()["estimate"])
+        loading = [e for e in job.events() if e["event"] == "loading"]
+    assert [e["estimate"] for e in loading] == [placed]  # this job made the worker load
+    assert result.metadata["estimate"] == placed
+    with Engine.load(models_dir / "tiny-f16", threads=1) as engine:
+        assert engine.estimate_for(384, 384) == placed
+        assert engine.capabilities.estimate == engine.facts.resident() < placed

@@ -202,3 +202,33 @@ def test_build_devices_counts_running_jobs_and_marks_dead_devices() -> None:
     assert live.compute_figure == 15 * GiB  # the placed job's model is counted as loading
     assert [m.name for m in live.loaded] == ["m"]
     assert dead.key == "h3/CPU" and not dead.alive and dead.queued == 1
+
+
+@pytest.mark.parametrize(
+    "device",
+    [
+        Device(0, "CPU", "Xeon", "cpu", 1, 1),
+        Device(0, "CUDA0", "H200", "gpu", 1, 1),
+        Device(1, "Vulkan1", "H200", "gpu", 1, 1),
+    ],
+)
+@pytest.mark.parametrize("vae", ["vae", "taesd"])
+def test_the_workers_facts_give_the_scheduler_the_engines_estimate(device, vae, monkeypatch):
+    """What a worker puts in its heartbeat (ModelFacts.as_json) and the scheduler reads back
+    gives, at every size, the estimate an engine on that device makes from the same model:
+    the decode term and the native size survive the trip."""
+    from types import SimpleNamespace
+
+    from sdfarm.native.estimate import model_facts as engine_facts
+
+    monkeypatch.delenv("SDFARM_VAE_CONV_DIRECT", raising=False)
+    model = SimpleNamespace(
+        total_bytes=3 * GiB, native_size=(1024, 1024), files={"diffusion_model": 1, vae: 1}
+    )
+    beat = hb(models={"m": engine_facts(model, device).as_json()})
+    scheduler = model_facts({"h1/CUDA0": beat}, "m")
+    engine = engine_facts(model, device)
+    for w, h in ((256, 256), (1024, 1024), (2048, 1024), (4096, 4096)):
+        assert scheduler.estimate(w, h) == engine.estimate(w, h), (w, h)
+    decodes = device.name.startswith("CUDA") and vae == "vae"
+    assert (engine.decode_per_pixel > 0) == decodes
