@@ -6,11 +6,22 @@ from typing import Any
 
 from sdfarm.scheduler.fairness import FarmBusyError
 
-__all__ = ["FarmBusyError", "FarmError", "JobCancelled", "JobFailed", "UnknownModelError"]
+__all__ = [
+    "FarmBusyError",
+    "FarmError",
+    "FarmFullError",
+    "JobCancelled",
+    "JobFailed",
+    "UnknownModelError",
+]
 
 
 class FarmError(Exception):
     """Base of the client's own errors (FarmBusyError comes from the fairness rules)."""
+
+
+class FarmFullError(FarmError):
+    """The farm's Redis refuses writes (full); the message says how full."""
 
 
 class UnknownModelError(FarmError, LookupError):

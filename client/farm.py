@@ -14,17 +14,24 @@ import os
 import time
 from collections import deque
 from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import asdict, replace
 from typing import Any
+
+import redis
 
 from sdfarm.client.errors import (
     FarmBusyError,
     FarmError,
+    FarmFullError,
     JobCancelled,
     JobFailed,
     UnknownModelError,
 )
-from sdfarm.client.job import WAIT_SLICE_S, Job, Result
+from sdfarm.client.job import DEADLINE_GRACE_S, WAIT_SLICE_S, Job, Result
+from sdfarm.native.errors import InvalidParameterError
 from sdfarm.native.params import (
+    NAMES,
+    OPTION_NAMES,
     OPTIONS,
     PARAMS,
     JobOptions,
@@ -40,11 +47,14 @@ from sdfarm.scheduler.registry import (
     model_facts,
 )
 from sdfarm.store import JobSpec, Store
+from sdfarm.store.records import new_job_id
+from sdfarm.store.retry import retry_transient
 
 __all__ = [
     "Farm",
     "FarmBusyError",
     "FarmError",
+    "FarmFullError",
     "Job",
     "JobCancelled",
     "JobFailed",
@@ -59,13 +69,20 @@ MODELS_CACHE_S = 1.0
 class Farm:
     """A connection to a farm's Redis. Thread-safe (redis-py pools connections)."""
 
-    def __init__(self, redis_url: str | None = None, *, submitter: str | None = None) -> None:
+    def __init__(
+        self,
+        redis_url: str | None = None,
+        *,
+        submitter: str | None = None,
+        deadline_grace_s: float = DEADLINE_GRACE_S,
+    ) -> None:
         url = redis_url or os.environ.get("SDFARM_REDIS_URL")
         if not url:
             raise FarmError("no farm: give Farm(redis_url) or set SDFARM_REDIS_URL")
         self.url = url
         self.store = Store.connect(url, socket_timeout=WAIT_SLICE_S + 30)
         self.submitter = submitter or os.environ.get("USER") or "anonymous"
+        self.deadline_grace_s = deadline_grace_s
         self._hb_cache: tuple[float, dict[str, dict[str, Any]]] = (-1e9, {})
 
     def close(self) -> None:
@@ -85,7 +102,7 @@ class Farm:
         at, cached = self._hb_cache
         if not fresh and time.monotonic() - at < MODELS_CACHE_S:
             return cached
-        hbs = self.store.heartbeats()
+        hbs = retry_transient(self.store.heartbeats)
         self._hb_cache = (time.monotonic(), hbs)
         return hbs
 
@@ -114,51 +131,41 @@ class Farm:
 
     # -- submitting ---------------------------------------------------------------------------
 
-    def submit(
-        self,
-        model: str,
-        prompt: str,
-        *,
-        priority: int = 5,
-        submitter: str | None = None,
-        log_level: str = "none",
-        log_prompts: bool = False,
-        **params: Any,
-    ) -> Job:
-        """Queue one job of `model`. `params` are the generation parameters (every field of
-        sdfarm.native.params.GenerationParams, listed below); the options say how the farm
-        treats it. InvalidParameterError before anything is queued; UnknownModelError when
-        workers are up and none has `model`; FarmBusyError at the queue limit."""
-        checked = validate(from_mapping({"prompt": prompt, **params}))
-        options = check_options(
-            JobOptions(
-                priority=priority,
-                submitter=submitter or "",
-                log_level=log_level,
-                log_prompts=log_prompts,
+    def submit(self, model: str, prompt: str, *, owner: str = "", **fields: Any) -> Job:
+        """Queue one job of `model`. `fields` are the generation parameters (every field of
+        sdfarm.native.params.GenerationParams) and the job options (JobOptions), both listed
+        below; `owner` marks who may read the job back through the gateway.
+        InvalidParameterError before anything is queued (an unknown name included);
+        UnknownModelError when workers are up and none has `model`; FarmBusyError at the
+        queue limit."""
+        options = {k: fields.pop(k) for k in OPTION_NAMES if k in fields}
+        unknown = sorted(set(fields) - set(NAMES))
+        if unknown:
+            raise InvalidParameterError(
+                unknown[0],
+                f"unknown parameter; the parameters are {', '.join(NAMES)}; the options are "
+                f"{', '.join(OPTION_NAMES)}",
             )
-        )
-        return self.submit_spec(
-            JobSpec(
-                model=model,
-                params=checked.as_dict(),
-                priority=options.priority,
-                submitter=options.submitter or self.submitter,
-                log_level=options.log_level,
-                log_prompts=options.log_prompts,
-            )
-        )
+        checked = validate(from_mapping({"prompt": prompt, **fields}))
+        opts = check_options(JobOptions(**options))
+        spec = JobSpec(model=model, params=checked.as_dict(), owner=owner, **asdict(opts))
+        return self.submit_spec(replace(spec, submitter=opts.submitter or self.submitter))
 
     def submit_spec(self, spec: JobSpec) -> Job:
         """Queue a JobSpec whose params and options are already validated (its test hook
         passes through to workers that honour hooks). Checks the model against the farm."""
         if not isinstance(spec.model, str) or not spec.model:
-            from sdfarm.native.errors import InvalidParameterError
-
             raise InvalidParameterError("model", "give a model name")
         self._check_model(spec.model)
-        job_id, depth, limit = self.store.submit(spec, DEFAULT_QUEUE_LIMIT)
-        if job_id is None:
+        job_id = new_job_id()  # the same id on every try: a retry never queues twice
+        try:
+            queued, depth, limit = retry_transient(
+                lambda: self.store.submit(spec, DEFAULT_QUEUE_LIMIT, job_id)
+            )
+        except redis.OutOfMemoryError as exc:
+            why = self.store.refusing_writes() or f"Redis refused the write ({exc})"
+            raise FarmFullError(f"nothing can be queued: {why}") from None
+        if queued is None:
             raise FarmBusyError(depth, limit)
         return Job(self, job_id)
 

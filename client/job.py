@@ -2,6 +2,7 @@
 
 Waiting blocks on the job's done token in Redis (`Store.wait`), so a finished job is seen
 within a round trip, with no polling; the wake-up reads the record and the result together.
+A Redis that restarts or fails over meanwhile is waited for (`retry_transient`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from sdfarm.client.errors import FarmError, JobCancelled, JobFailed
 from sdfarm.store import FINAL_STATES, JobResult
 from sdfarm.store.records import loads
+from sdfarm.store.retry import retry_transient
 
 if TYPE_CHECKING:
     from sdfarm.client.farm import Farm
@@ -23,6 +25,9 @@ if TYPE_CHECKING:
 WAIT_SLICE_S = 30.0
 """Longest single blocking wait: a wait forever is a loop of these, so a Redis that went away
 is noticed (socket timeout) instead of hanging the caller."""
+DEADLINE_GRACE_S = 30.0
+"""How long past a job's deadline a waiter still waits for the farm to record its end (the
+scheduler fails an overdue job within a cycle); then the waiter gives up and says why."""
 
 
 @dataclass
@@ -92,7 +97,7 @@ class Job:
         deadline = None if timeout is None else time.monotonic() + timeout
         token_seen = False
         while True:
-            state = store.state(self.id)
+            state, placed, job_deadline, now = retry_transient(lambda: store.watch(self.id))
             if state in FINAL_STATES:
                 return state, None
             if not state:
@@ -102,11 +107,32 @@ class Job:
             left = WAIT_SLICE_S if deadline is None else deadline - time.monotonic()
             if left <= 0:
                 raise TimeoutError(f"job {self.id} still {state} after {timeout} s")
-            if store.wait(self.id, min(left, WAIT_SLICE_S)):
+            if placed is not None and job_deadline is not None:
+                overdue = now - placed - job_deadline - self.farm.deadline_grace_s
+                if overdue >= 0:
+                    raise self._overdue(state, job_deadline)
+                left = min(left, -overdue + 0.05)
+            if self._wait_for_token(min(left, WAIT_SLICE_S)):
                 token_seen = True
-                ended = store.ended(self.id)
+                ended = retry_transient(lambda: store.ended(self.id))
                 if ended.state in FINAL_STATES:
                     return ended.state, ended
+
+    def _overdue(self, state: str, job_deadline: float) -> JobFailed:
+        """The farm recorded no end well past the job's deadline: give up, saying why."""
+        why = retry_transient(self.farm.store.refusing_writes) or (
+            "no scheduler recorded it (is one running?)"
+            if retry_transient(self.farm.store.lease_holder) is None
+            else "the scheduler did not record it"
+        )
+        return JobFailed(
+            self.id,
+            f"the job is still {state} {self.farm.deadline_grace_s:g} s past its deadline of "
+            f"{job_deadline:g} s (deadline_s), and no end was recorded: {why}",
+        )
+
+    def _wait_for_token(self, seconds: float) -> bool:
+        return retry_transient(lambda: self.farm.store.wait(self.id, seconds))
 
     def result(self, timeout: float | None = None) -> Result:
         """The images; JobFailed / JobCancelled / TimeoutError otherwise."""
@@ -114,7 +140,7 @@ class Job:
         if state == "cancelled":
             raise JobCancelled(self.id)
         if ended is None:
-            ended = self.farm.store.ended(self.id)
+            ended = retry_transient(lambda: self.farm.store.ended(self.id))
         rec = ended.record
         if state == "failed":
             est = rec.get("estimate")

@@ -202,6 +202,14 @@ class JobOptions:
     log_prompts: bool = param(
         "bool", False, "keep prompt text in log records (redacted by default)"
     )
+    deadline_s: float = param(
+        "float",
+        3600.0,
+        "seconds the job may take once placed on a device; past it the job fails and its "
+        "worker stops it",
+        lo=1.0,
+        hi=7 * 24 * 3600.0,
+    )
 
 
 def _params_of(cls: type) -> tuple[Param, ...]:
@@ -212,6 +220,7 @@ PARAMS: tuple[Param, ...] = _params_of(GenerationParams)
 """Every generation parameter of a job, in order: what each door derives its fields from."""
 OPTIONS: tuple[Param, ...] = _params_of(JobOptions)
 """Every option of a job (JobOptions), for the doors that take them."""
+OPTION_NAMES: tuple[str, ...] = tuple(p.name for p in OPTIONS)
 BY_NAME: dict[str, Param] = {p.name: p for p in PARAMS}
 NAMES: tuple[str, ...] = tuple(BY_NAME)
 

@@ -50,7 +50,10 @@ class DispatchConfig:
     `unknown_grace`: how long a job for a model no live worker
     lists waits (a worker restarting) before it fails. `mismatch_grace`: how long a running
     job's incarnation may differ from its device's heartbeat before the job counts as lost
-    (a new process's first heartbeat can trail its first claim by one interval)."""
+    (a new process's first heartbeat can trail its first claim by one interval), and how long
+    a device must look idle before a job placed on it counts as lost.
+    `lost_message_grace`: how long after its placement a job's message may still be on its
+    way to the worker."""
 
     backlog: int = DEFAULT_BACKLOG
     queue_limit: int = DEFAULT_QUEUE_LIMIT
@@ -60,6 +63,7 @@ class DispatchConfig:
     mismatch_grace: float = 3 * keys.HEARTBEAT_INTERVAL
     wake_timeout: float = 0.2
     forget_dead_after: float = 3600.0
+    lost_message_grace: float = 10.0
 
     def __post_init__(self) -> None:
         if self.backlog < 1:
@@ -132,6 +136,7 @@ class Dispatcher:
         self._meta: dict[str, PendingJob] = {}
         self._incarnations: dict[str, str] = {}
         self._mismatch_since: dict[str, float] = {}
+        self._idle_since: dict[str, float] = {}
         self._missing_since: dict[str, float] = {}
         self._dead_since: dict[str, float] = {}
 
@@ -166,8 +171,10 @@ class Dispatcher:
     # -- recovery (flow 5) --------------------------------------------------------------------
 
     def recover(self, snap: Snapshot) -> dict[str, int]:
-        """Jobs on devices whose heartbeat expired or whose worker process changed."""
-        stats = {"requeued": 0, "poisoned": 0, "forgotten": 0}
+        """Jobs past their deadline (failed, their worker told to stop), and jobs a device
+        lost: its heartbeat expired, its worker process changed, or its task message never
+        reached it (re-placed)."""
+        stats = {"requeued": 0, "poisoned": 0, "forgotten": 0, "overdue": 0}
         now = self.monotonic()
         alive_jobs: set[str] = set()
         for device, entries in snap.running.items():
@@ -189,11 +196,16 @@ class Dispatcher:
                         self.store.forget(self.token, device, job_id, dispatch)
                     )
                     continue
+                if (late := _overdue(job, snap.now)) is not None:
+                    stats["overdue"] += self._overdue(job_id, job, device, late)
+                    continue
                 reason = None
                 if hb is None:
                     reason = "heartbeat expired"
                 elif state == "placed" and changed:
                     reason = "worker restarted"
+                elif state == "placed" and self._message_lost(job_id, hb, job, snap.now, now):
+                    reason = "its task message never reached the worker"
                 elif state == "running" and job.get("incarnation") not in ("", incarnation):
                     since = self._mismatch_since.setdefault(job_id, now)
                     if incarnation and (
@@ -206,10 +218,39 @@ class Dispatcher:
                 rc = self._lost(job_id, job, device, reason, count=state == "running")
                 stats["poisoned" if rc == 2 else "requeued"] += rc > 0
                 self._mismatch_since.pop(job_id, None)
-        for job_id in list(self._mismatch_since):
-            if job_id not in alive_jobs:
-                del self._mismatch_since[job_id]
+        for since in (self._mismatch_since, self._idle_since):
+            for job_id in list(since):
+                if job_id not in alive_jobs:
+                    del since[job_id]
         return stats
+
+    def _message_lost(
+        self, job_id: str, hb: dict[str, Any], job: dict[str, str], redis_now: float, now: float
+    ) -> bool:
+        """A placed job whose device has sat idle with an empty queue, for longer than the
+        grace, well after the placement: its message is gone (a claim refused by a full Redis,
+        a queue flushed). Re-placing it under a new dispatch id is safe even if the message
+        turns up: its claim then finds the dispatch stale."""
+        idle = hb.get("state") == "idle" and not hb.get("queue") and not hb.get("current_job")
+        try:
+            waited = redis_now - float(job.get("placed") or redis_now)
+        except ValueError:
+            waited = 0.0
+        if not idle or waited < self.config.lost_message_grace:
+            self._idle_since.pop(job_id, None)
+            return False
+        return now - self._idle_since.setdefault(job_id, now) >= self.config.mismatch_grace
+
+    def _overdue(self, job_id: str, job: dict[str, str], device: str, late: float) -> int:
+        deadline = float(job["deadline"])
+        error = (
+            f"deadline: the job was placed on {device} {deadline + late:.0f} s ago, past its "
+            f"deadline of {deadline:g} s (deadline_s); its worker was told to stop it"
+        )
+        rc = self._check(self.store.overdue(self.token, job_id, job["dispatch"], device, error))
+        if rc:
+            self.log("overdue", job=job_id, device=device, error=error)
+        return rc
 
     def _forget_dead(self, device: str, now: float) -> None:
         since = self._dead_since.setdefault(device, now)
@@ -390,6 +431,16 @@ class Dispatcher:
         if rc == 1:
             self.log("refused", job=job.job_id, error=error)
         return rc
+
+
+def _overdue(job: dict[str, str], now: float) -> float | None:
+    """Seconds a placed or running job is past its deadline (both by the Redis clock), or
+    None while it is within it (or either figure is missing)."""
+    try:
+        late = now - float(job["placed"]) - float(job["deadline"])
+    except (KeyError, ValueError):
+        return None
+    return late if late > 0 else None
 
 
 def _beat_after_claim(hb: dict[str, Any], job: dict[str, str]) -> bool:

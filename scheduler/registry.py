@@ -166,6 +166,7 @@ class Snapshot:
     jobs: dict[str, dict[str, str]] = field(default_factory=dict)
     heads: dict[int, list[str]] = field(default_factory=dict)
     head_fields: dict[str, list[str]] = field(default_factory=dict)
+    now: float = 0.0
 
     def model_facts(self, name: str) -> ModelFacts | None:
         return model_facts(self.heartbeats, name)
@@ -218,6 +219,7 @@ def snapshot_of(reading: FarmReading, backlog_limit: int = DEFAULT_BACKLOG) -> S
         jobs=reading.jobs,
         heads=reading.heads,
         head_fields=reading.head_fields,
+        now=reading.now,
     )
 
 

@@ -134,7 +134,7 @@ class Service:
                 except NotLeader:
                     self.lock.release()
                     self._become("standby", reason="another scheduler holds the lease")
-                except (redis.ConnectionError, redis.TimeoutError) as exc:
+                except redis.RedisError as exc:  # away, or refusing writes (full): wait
                     self.emit("redis-error", error=str(exc))
                     self._role = ""
                     self.stopping.wait(STANDBY_RETRY_S)

@@ -7,9 +7,10 @@ Job record `job:{id}` (hash), written at submit and then by each transition:
 
 | field | set by | what |
 |---|---|---|
-| id, spec, model, priority, submitter | submit | the request (`spec` is a JobSpec as JSON) |
+| id, spec, model, priority, submitter, owner | submit | the request (`spec` is a JobSpec as JSON) |
 | state | every transition | queued, placed, running, done, failed, cancelled |
 | created | submit (Redis clock) | when it was queued |
+| deadline | submit | seconds the job may take once placed (then it fails, its worker stops) |
 | estimate | place, fail | the job's memory estimate in bytes (the worker and engine use it) |
 | device, dispatch, tier, placed | place | where it went and the dispatch id its message carries |
 | attempts, lost_on | requeue | lost runs and the devices that lost them |
@@ -57,6 +58,7 @@ RUNNING_JOB_FIELDS = (
     "attempts",
     "placed",
     "started",
+    "deadline",
 )
 """What the scheduler reads of each job that sits in a `running:{device}` hash."""
 
@@ -83,6 +85,7 @@ HEARTBEAT_FIELDS = {
     "queue": "messages waiting in its Celery queue",
     "state": "idle, loading or busy",
     "current_job": "the job it runs, or null",
+    "unwritten": "{job: why} jobs whose end Redis refused; the worker keeps trying",
     "version": "{sdfarm, sd}",
     "incarnation": "a uuid per worker process: a new one means its running job was lost",
     "pid": "the worker process",
@@ -126,14 +129,20 @@ def new_dispatch_id() -> str:
 class JobSpec:
     """What a client asks for: a model, the generation parameters (GenerationParams fields,
     validated by the client and again by the worker before any native call) and the job's
-    options. `test_hook` is honoured only by workers started with SDFARM_TEST_HOOKS=1."""
+    options. `owner` names who may read the job back through the gateway (a token's
+    fingerprint; "" for anyone with access to the farm). `test_hook` is honoured only by
+    workers started with SDFARM_TEST_HOOKS=1."""
 
     model: str
     params: dict[str, Any]
+    # The job options (sdfarm.native.params.JobOptions, field for field):
     priority: int = 5
     submitter: str = "anonymous"
     log_level: str = "none"
     log_prompts: bool = False
+    deadline_s: float = 3600.0
+    # Set by the farm, not by the caller:
+    owner: str = ""
     test_hook: str | None = None
 
     def to_json(self) -> str:
@@ -151,7 +160,9 @@ def new_job_record(job_id: str, spec: JobSpec) -> dict[str, str]:
         "model": spec.model,
         "priority": str(spec.priority),
         "submitter": spec.submitter,
+        "owner": spec.owner,
         "state": "queued",
+        "deadline": repr(float(spec.deadline_s)),
         "estimate": "",
         "attempts": "0",
         "device": "",

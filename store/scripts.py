@@ -18,6 +18,7 @@ NAMES = (
     "place",
     "fail",
     "requeue",
+    "overdue",
     "forget",
     "drop_stale",
     "snapshot",

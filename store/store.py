@@ -28,6 +28,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import redis
+
 from sdfarm.store import keys, scripts, transport
 from sdfarm.store.keys import (
     CONFIG_KEY,
@@ -69,7 +71,7 @@ class FarmReading:
     """The farm at one instant, as `snapshot` reads it: the known devices, the live ones'
     heartbeats, {device: {job id: dispatch id}} of what was sent to each, the
     RUNNING_JOB_FIELDS of those jobs, the first ids of each pending list by priority, and
-    the PENDING_JOB_FIELDS of the first few of them."""
+    the PENDING_JOB_FIELDS of the first few of them; `now` is the Redis clock then."""
 
     known: list[str] = field(default_factory=list)
     heartbeats: dict[str, dict[str, Any]] = field(default_factory=dict)
@@ -77,6 +79,7 @@ class FarmReading:
     jobs: dict[str, dict[str, str]] = field(default_factory=dict)
     heads: dict[int, list[str]] = field(default_factory=dict)
     head_fields: dict[str, list[str]] = field(default_factory=dict)
+    now: float = 0.0
 
 
 class Store:
@@ -101,9 +104,12 @@ class Store:
 
     # -- submit, cancel, wait (client) ------------------------------------------------------
 
-    def submit(self, spec: JobSpec, default_queue_limit: int) -> tuple[str | None, int, int]:
-        """(job id, queue depth, queue limit); the id is None when the queue was full."""
-        job_id = new_job_id()
+    def submit(
+        self, spec: JobSpec, default_queue_limit: int, job_id: str | None = None
+    ) -> tuple[str | None, int, int]:
+        """(job id, queue depth, queue limit); the id is None when the queue was full. Given
+        the `job_id` of an earlier try, a retried submit queues nothing twice."""
+        job_id = job_id or new_job_id()
         record = [x for kv in new_job_record(job_id, spec).items() for x in kv]
         queued = event("queued", priority=spec.priority, submitter=spec.submitter)
         ok, depth, limit = self._lua["submit"](
@@ -142,9 +148,14 @@ class Store:
     def wait(self, job_id: str, timeout: float) -> bool:
         """Block until the job's done token exists (True) or `timeout` seconds pass (False).
         The token is rotated in place (BLMOVE onto its own list), never popped: other waiters
-        see it too and its key keeps its TTL."""
+        see it too and its key keeps its TTL. A full Redis refuses that: then it polls."""
         done = keys.done_key(job_id)
-        got = self.r.blmove(done, done, max(0.001, timeout), src="RIGHT", dest="LEFT")
+        try:
+            got = self.r.blmove(done, done, max(0.001, timeout), src="RIGHT", dest="LEFT")
+        except redis.OutOfMemoryError:
+            # A full Redis refuses BLMOVE (it writes): look, without writing, twice a second.
+            time.sleep(min(timeout, 0.5))
+            return bool(self.r.exists(done))
         return got is not None
 
     def ended(self, job_id: str) -> JobResult:
@@ -163,6 +174,28 @@ class Store:
     def state(self, job_id: str) -> str:
         """queued, placed, running, done, failed or cancelled; "" for no such job."""
         return decode(self.r.hget(keys.job_key(job_id), "state"))
+
+    def watch(self, job_id: str) -> tuple[str, float | None, float | None, float]:
+        """(state, placed, deadline seconds, the Redis clock now) in one round trip: what a
+        waiter needs to know whether the job is past its deadline."""
+        pipe = self.r.pipeline(transaction=False)
+        pipe.hmget(keys.job_key(job_id), ["state", "placed", "deadline"])
+        pipe.time()
+        (state, placed, deadline), (sec, usec) = pipe.execute()
+        return decode(state), _float(placed), _float(deadline), sec + usec / 1e6
+
+    def refusing_writes(self) -> str | None:
+        """Why Redis refuses writes now, in words (full: used memory above maxmemory with
+        noeviction), else None."""
+        info = self.r.info("memory")
+        used, limit = int(info.get("used_memory", 0)), int(info.get("maxmemory", 0))
+        policy = info.get("maxmemory_policy", "")
+        if limit and used >= limit and policy == "noeviction":
+            return (
+                f"the farm's Redis is full: used memory {used} bytes of maxmemory {limit} "
+                f"(policy {policy}), so it refuses every write"
+            )
+        return None
 
     def progress(self, job_id: str) -> dict[str, Any] | None:
         return loads(self.r.get(keys.progress_key(job_id)), None)
@@ -257,7 +290,7 @@ class Store:
         pending list and the PENDING_JOB_FIELDS of the first `facts` of each; `clear_wake`
         empties the wake list in the same atomic step."""
         pending = [keys.pending_key(p) for p in PRIORITIES] if heads > 0 else []
-        raw_devices, raw_heads, raw_facts = self._lua["snapshot"](
+        raw_devices, raw_heads, raw_facts, now = self._lua["snapshot"](
             keys=[DEVICES_KEY, WAKE_KEY, *pending],
             args=[
                 "1" if clear_wake else "0",
@@ -271,7 +304,7 @@ class Store:
                 *PENDING_JOB_FIELDS,
             ],
         )
-        out = FarmReading()
+        out = FarmReading(now=float(decode(now)))
         for raw_key, raw_hb, raw_running, raw_jobs in raw_devices:
             k = decode(raw_key)
             out.known.append(k)
@@ -423,6 +456,31 @@ class Store:
                     JOB_TTL,
                 ],
             )  # fmt: skip
+        )
+
+    def overdue(self, token: str, job_id: str, dispatch: str, device: str, error: str) -> int:
+        """A placed or running job of `dispatch` past its deadline fails with `error`, and its
+        worker is asked to stop it: 1, 0 when it moved on, NOT_LEADER."""
+        return int(
+            self._lua["overdue"](
+                keys=[
+                    keys.job_key(job_id),
+                    keys.running_key(device),
+                    keys.events_key(job_id),
+                    keys.done_key(job_id),
+                    LEADER_KEY,
+                    keys.cancel_key(job_id),
+                ],
+                args=[
+                    token,
+                    job_id,
+                    dispatch,
+                    error,
+                    event("failed", error=error, device=device, reason="deadline"),
+                    EVENTS_CAP,
+                    RESULT_TTL,
+                ],
+            )
         )
 
     def lost_runs(self, job_id: str) -> tuple[str, str]:
@@ -623,3 +681,10 @@ class Store:
         for name in names:
             pipe.ttl(name)
         return {n: int(t) for n, t in zip(names, pipe.execute(), strict=True) if int(t) != -2}
+
+
+def _float(raw: Any) -> float | None:
+    try:
+        return float(decode(raw))
+    except ValueError:
+        return None

@@ -175,6 +175,7 @@ class Heartbeat:
             "queue": ctx.store.queue_length(cfg.device_key),
             "state": state,
             "current_job": ctx.current_job,
+            "unwritten": {j: e for j, (_, e) in list(ctx.uploader.unwritten.items())[:20]},
             "version": self._version,
             "incarnation": ctx.incarnation,
             "pid": os.getpid(),

@@ -16,14 +16,19 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import redis
+
 from sdfarm.native.devices import format_bytes
 from sdfarm.native.png import png_bytes
+from sdfarm.store.retry import retry_transient
 
 log = logging.getLogger("sdfarm.worker")
 
-RETRIES = 5
 MAX_RESULT_BYTES = 64 * 1024 * 1024
 """The most PNG bytes one job's result may hold in Redis."""
+UNWRITTEN_RETRY_S = 5.0
+"""How often the end of a job that Redis refused is tried again."""
+UNWRITTEN_CAP = 1000
 
 
 @dataclass
@@ -54,6 +59,9 @@ class Uploader:
         self._device_key = device_key
         self._max = max_result_bytes
         self._queue: queue.Queue[Finished | None] = queue.Queue()
+        self.unwritten: dict[str, tuple[Finished, str]] = {}
+        """Jobs whose end Redis refused even as a failure, with why: tried again every
+        UNWRITTEN_RETRY_S (the heartbeat lists them)."""
         self._pending = 0
         self._cond = threading.Condition()
         self._thread = threading.Thread(target=self._run, name="sdfarm-uploader", daemon=True)
@@ -83,11 +91,17 @@ class Uploader:
 
     def _run(self) -> None:
         while True:
-            item = self._queue.get()
+            try:
+                item = self._queue.get(timeout=UNWRITTEN_RETRY_S if self.unwritten else None)
+            except queue.Empty:
+                self._retry_unwritten()
+                continue
             if item is None:
                 return
             try:
                 self.write(item)
+            except redis.RedisError as exc:  # refused even as a failure: keep trying
+                self._keep_unwritten(item, exc)
             except Exception:  # noqa: BLE001 - one bad result must not stop the uploader
                 log.exception("could not write the result of job %s", item.job_id)
             finally:
@@ -120,35 +134,54 @@ class Uploader:
                 pngs = []
         if error and meta is not None:
             meta["error"] = error
-        ok = self._retry(
-            self._store.finish,
-            item.job_id,
-            item.dispatch,
-            self._device_key,
-            state,
-            error=error,
-            meta=meta,
-            records=item.records,
-            pngs=pngs,
-            job_fields=item.job_fields,
-        )
+        try:
+            ok = self._finish(item, state, error, meta, pngs)
+        except redis.ResponseError as exc:
+            # Redis refused the write (full, read-only): the job fails with the reason, in the
+            # smallest write there is, instead of staying `running` for ever.
+            error = f"the result could not be stored: Redis refused the write ({exc})"
+            if meta is not None:
+                meta["error"] = error
+            log.warning("job %s: %s", item.job_id, error)
+            ok = self._finish(item, "failed", error, meta, [])
         if not ok:
             log.warning(
                 "job %s is no longer ours; its end (%s) was not written", item.job_id, state
             )
         return bool(ok)
 
-    def _retry(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
-        """Ride out a Redis restart or a dropped connection (about 15 s in all)."""
-        import redis
+    def _finish(self, item: Finished, state: str, error: str, meta: Any, pngs: list[bytes]) -> bool:
+        return retry_transient(
+            lambda: self._store.finish(
+                item.job_id,
+                item.dispatch,
+                self._device_key,
+                state,
+                error=error,
+                meta=meta,
+                records=item.records,
+                pngs=pngs,
+                job_fields=item.job_fields,
+            )
+        )
 
-        delay = 0.5
-        for attempt in range(RETRIES):
+    def _keep_unwritten(self, item: Finished, exc: Exception) -> None:
+        """Remember a job whose end Redis refused even as a failure (Redis full); the
+        uploader tries again until Redis takes it or the job is no longer ours."""
+        error = f"the result could not be stored: Redis refused the write ({exc})"
+        log.error("job %s: %s; will try again", item.job_id, error)
+        item.images, item.state, item.error = [], "failed", error
+        if item.meta is not None:
+            item.meta["error"] = error
+        self.unwritten[item.job_id] = (item, error)
+        while len(self.unwritten) > UNWRITTEN_CAP:
+            self.unwritten.pop(next(iter(self.unwritten)))
+
+    def _retry_unwritten(self) -> None:
+        for job_id, (item, error) in list(self.unwritten.items()):
             try:
-                return fn(*args, **kwargs)
-            except (redis.ConnectionError, redis.TimeoutError):
-                if attempt == RETRIES - 1:
-                    raise
-                time.sleep(delay)
-                delay *= 2
-        return None
+                self._finish(item, "failed", error, item.meta, [])
+            except redis.RedisError:
+                return  # still refused: the next round
+            del self.unwritten[job_id]
+            log.info("job %s: its failure was written after all", job_id)

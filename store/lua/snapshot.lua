@@ -8,7 +8,8 @@
 -- ARGV: clear wake (0/1), heartbeat key prefix, running key prefix, job key prefix, heads to
 --       read per pending list, how many of them to read the fields of, n, then the n fields
 --       to read of running jobs, then the fields to read of pending jobs
--- Returns {{device, heartbeat, running hash, running jobs' fields}...}, heads, heads' fields
+-- Returns {{device, heartbeat, running hash, running jobs' fields}...}, heads, heads' fields,
+-- and the Redis clock (the one every timestamp a script writes is read on)
 local known = redis.call('SMEMBERS', KEYS[1])
 if ARGV[1] == '1' then redis.call('DEL', KEYS[2]) end
 local n = tonumber(ARGV[7])
@@ -36,4 +37,4 @@ for i = 3, #KEYS do
   heads[#heads + 1] = ids
   facts[#facts + 1] = got
 end
-return {devices, heads, facts}
+return {devices, heads, facts, now()}

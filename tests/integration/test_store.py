@@ -148,3 +148,27 @@ def test_snapshot_reads_heads_with_their_fields_and_clears_wake(store: Store) ->
     assert store.r.llen(keys.WAKE_KEY) == 0
     assert store.drop_stale("no-record", 5) == 1
     assert store.drop_stale(ids[0], 5) == 0  # still queued: kept
+
+
+def test_a_retried_submit_queues_nothing_twice(store: Store) -> None:
+    """A client whose submit reply was lost retries with the same id: one job, one entry."""
+    first = store.submit(SPEC, 100, "retried-job-id")
+    again = store.submit(SPEC, 100, "retried-job-id")
+    assert first[0] == again[0] == "retried-job-id"
+    assert store.queues()["pending"] == 1
+    assert store.snapshot(heads=10).heads[5] == ["retried-job-id"]
+
+
+def test_an_overdue_job_fails_and_its_worker_is_told_to_stop(store: Store) -> None:
+    job_id = submit(store)
+    dispatch = place(store, job_id)
+    assert store.claim(job_id, dispatch, "inc", "w") is not None
+    assert store.overdue("other", job_id, dispatch, "h/CPU", "late") == NOT_LEADER
+    assert store.overdue(TOKEN, job_id, "old", "h/CPU", "late") == 0
+    assert store.overdue(TOKEN, job_id, dispatch, "h/CPU", "deadline: late") == 1
+    assert store.state(job_id) == "failed" and store.record(job_id)["error"] == "deadline: late"
+    assert store.cancel_requested(job_id)
+    assert job_id not in store.snapshot().running.get("h/CPU", {})
+    assert not store.finish(job_id, dispatch, "h/CPU", "done", meta={})  # too late: refused
+    state, placed, deadline, now = store.watch(job_id)
+    assert (state, deadline) == ("failed", 3600.0) and placed is not None and now >= placed

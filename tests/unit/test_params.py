@@ -50,3 +50,17 @@ def test_valid_parameters_pass_and_a_random_seed_is_resolved():
 def test_integral_floats_and_digit_strings_are_accepted():
     p = validate(GenerationParams(prompt="p", width=256.0, steps="4"))
     assert p.width == 256 and p.steps == 4
+
+
+def test_a_job_spec_carries_every_job_option() -> None:
+    """JobSpec (what the store keeps) has a field for each JobOptions field, with the same
+    default, so Farm.submit passes the options through without naming them."""
+    from dataclasses import fields
+
+    from sdfarm.native.params import OPTIONS
+    from sdfarm.store import JobSpec
+
+    spec = {f.name: f.default for f in fields(JobSpec)}
+    for p in OPTIONS:
+        assert p.name in spec, p.name
+        assert spec[p.name] == (p.default or spec[p.name]), p.name
