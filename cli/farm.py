@@ -110,7 +110,9 @@ def _raise_interrupt(signum: int, frame: Any) -> None:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    """The local farm in the foreground until Ctrl-C (or SIGTERM), then a clean stop."""
+    """The local farm in the foreground until Ctrl-C (or SIGTERM), then a clean stop. A
+    process that exits or freezes is started again (localfarm/supervise.py); each restart is
+    a line on stderr."""
     from sdfarm.localfarm.farm import LocalFarm
     from sdfarm.localfarm.state import state_dir, state_path
 
@@ -130,6 +132,10 @@ def cmd_up(args: argparse.Namespace) -> int:
         host=args.host,
         log_dir=args.log_dir or state_dir() / "logs",
         ready_timeout=args.timeout,
+        schedulers=2,  # a standby takes over at once when the leader dies
+        on_event=lambda kind, role, **info: _err(
+            f"{role}: {kind} " + " ".join(f"{k}={v}" for k, v in info.items())
+        ),
     )
     try:
         farm.start()
@@ -159,16 +165,7 @@ def cmd_up(args: argparse.Namespace) -> int:
             print(f"logs: {farm.log_dir}")
             print("Ctrl-C stops the farm", flush=True)
         while True:
-            gone = farm.exited()
-            if (
-                "scheduler" in gone
-                or "redis" in gone
-                or all(r in gone for r in farm.procs if r.startswith("worker:"))
-            ):
-                role = next(iter(gone))
-                _err(f"{role} exited ({gone[role]}); stopping the farm\n{farm.log_tail(role)}")
-                return EXIT_FARM
-            time.sleep(0.5)
+            time.sleep(3600)
     except KeyboardInterrupt:
         _err("stopping the farm")
         return 0

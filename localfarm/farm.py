@@ -1,5 +1,5 @@
-"""A whole farm on this machine: a private redis-server, the scheduler and one worker process
-per local device, as `sdfarm up` and the tests run it.
+"""A whole farm on this machine: a private redis-server, the scheduler (and a standby) and one
+worker process per local device, as `sdfarm up` and the tests run it.
 
 Each part is a real subprocess (`python -m sdfarm.scheduler.service`, `python -m
 sdfarm.worker.main`), exactly what a multi-host deployment runs, so the single-machine case
@@ -7,12 +7,18 @@ exercises the same code. The device list comes from the probe subprocess (the ru
 be initialised in a process that forks). Children run in their own sessions, so a Ctrl-C in
 the terminal reaches only the owner, which stops them in order (workers, scheduler, Redis);
 on Linux they also get SIGTERM if the owner dies without cleaning up.
+
+The private redis-server keeps an AOF (everysec: a reply a client got is in the file, so a
+killed server loses nothing acknowledged) and a generated password, which reaches the children
+through the environment (never their command lines, which any local user can read) and the
+0600 state file. A supervisor (localfarm/supervise.py) starts again whatever exits or freezes.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -27,6 +33,7 @@ from typing import Any
 
 from sdfarm.localfarm import state as farm_state
 from sdfarm.localfarm.redis_server import RedisServer, _die_with_parent
+from sdfarm.localfarm.supervise import Supervisor
 
 
 class LocalFarmError(RuntimeError):
@@ -74,6 +81,9 @@ class LocalFarm:
         worker_args: Sequence[str] = (),
         scheduler_args: Sequence[str] = (),
         env: dict[str, str] | None = None,
+        schedulers: int = 1,
+        supervise: bool = True,
+        on_event: Any = None,
     ) -> None:
         self.models_dirs = [str(Path(d).resolve()) for d in models_dirs]
         self.devices = list(devices) if devices else []
@@ -92,8 +102,15 @@ class LocalFarm:
         self.redis: RedisServer | None = None
         self.url = redis_url or ""
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self.commands: dict[str, list[str]] = {}
         self.logs: dict[str, Path] = {}
         self.started = 0.0
+        self.schedulers = max(1, schedulers)
+        self._redis_dir: Path | None = None
+        self._on_event = on_event
+        self.supervisor = (
+            Supervisor(self._children, self._restart, self._event) if supervise else None
+        )
 
     # -- starting ------------------------------------------------------------------------------
 
@@ -113,22 +130,53 @@ class LocalFarm:
         self.started = time.time()
         try:
             if not self.external_redis:
-                self.redis = RedisServer.start()
+                self._redis_dir = Path(tempfile.mkdtemp(prefix="sdfarm-redis-"))
+                self.redis = RedisServer.start(
+                    password=secrets.token_urlsafe(24), appendonly=True, dir=self._redis_dir
+                )
                 self.url = self.redis.url
-            self._spawn("scheduler", ["-m", "sdfarm.scheduler.service", "--redis", self.url])
+            self.env["SDFARM_REDIS_URL"] = self.url
+            for n in range(self.schedulers):
+                role = "scheduler" if n == 0 else f"scheduler:{n + 1}"
+                self._spawn(role, ["-m", "sdfarm.scheduler.service", *self.scheduler_args])
             for device in self.devices:
                 self._spawn(f"worker:{device}", self._worker_command(device))
             self._wait_ready()
             if self.announce:
                 farm_state.write_state(self.state())
+            if self.supervisor is not None:
+                self.supervisor.start()
         except BaseException:
             self.stop()
             raise
         return self
 
+    def _children(self) -> dict[str, Any]:
+        """What the supervisor watches: every child process, the private Redis included."""
+        out: dict[str, Any] = dict(self.procs)
+        if self.redis is not None:
+            out["redis"] = self.redis.proc
+        return out
+
+    def _restart(self, role: str) -> None:
+        """Start `role` again (the supervisor killed what was left of it)."""
+        if role == "redis":
+            assert self.redis is not None
+            old = self.redis
+            self.redis = RedisServer.start(
+                port=old.port, password=old.password, appendonly=True, dir=self._redis_dir
+            )
+        else:
+            self._spawn(role, self.commands[role])
+        if self.announce:
+            farm_state.write_state(self.state())
+
+    def _event(self, kind: str, role: str, **info: Any) -> None:
+        if self._on_event is not None:
+            self._on_event(kind, role, **info)
+
     def _worker_command(self, device: str) -> list[str]:
-        cmd = ["-m", "sdfarm.worker.main", "--device", device, "--redis", self.url]
-        cmd += ["--host", self.host]
+        cmd = ["-m", "sdfarm.worker.main", "--device", device, "--host", self.host]
         for d in self.models_dirs:
             cmd += ["--models", d]
         if self.threads:
@@ -137,11 +185,11 @@ class LocalFarm:
 
     def _spawn(self, role: str, args: list[str]) -> None:
         assert self.log_dir is not None
-        extra = self.scheduler_args if role == "scheduler" else []
+        self.commands[role] = args
         log = self.log_dir / (role.replace(":", "-") + ".log")
         with open(log, "ab") as out:
             self.procs[role] = subprocess.Popen(
-                [sys.executable, *args, *extra],
+                [sys.executable, *args],
                 stdin=subprocess.DEVNULL,
                 stdout=out,
                 stderr=subprocess.STDOUT,
@@ -205,13 +253,6 @@ class LocalFarm:
             started=self.started,
         )
 
-    def exited(self) -> dict[str, int]:
-        """Children that have ended, with their exit codes (the foreground loop watches it)."""
-        out = {r: p.returncode for r, p in self.procs.items() if p.poll() is not None}
-        if self.redis is not None and not self.redis.running():
-            out["redis"] = self.redis.proc.returncode
-        return out
-
     def log_tail(self, role: str) -> str:
         return _tail(self.logs[role]) if role in self.logs else ""
 
@@ -220,6 +261,8 @@ class LocalFarm:
     def stop(self) -> None:
         """Workers first (they finish or abandon their job), then the scheduler, then Redis:
         SIGTERM, and SIGKILL to the whole process group after the grace period."""
+        if self.supervisor is not None:
+            self.supervisor.stop()
         if self.announce:
             farm_state.remove_state(os.getpid())
         workers = [r for r in self.procs if r.startswith("worker:")]
@@ -239,6 +282,9 @@ class LocalFarm:
         if self.redis is not None:
             self.redis.stop()
             self.redis = None
+        if self._redis_dir is not None:
+            shutil.rmtree(self._redis_dir, ignore_errors=True)
+            self._redis_dir = None
         if self._own_logs and self.log_dir is not None:
             shutil.rmtree(self.log_dir, ignore_errors=True)
             self.log_dir = None

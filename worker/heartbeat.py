@@ -129,11 +129,18 @@ class ModelFacts:
 
 
 class Heartbeat:
-    """A daemon thread in the process that runs jobs: SET hb:{device_key} EX HEARTBEAT_TTL and
-    SADD devices, every HEARTBEAT_INTERVAL. It never waits on the runtime."""
+    """A daemon thread in the process that runs jobs: the device's heartbeat (Store.beat) every
+    HEARTBEAT_INTERVAL. It never waits on the runtime.
+
+    It speaks for the whole worker, so it also watches the Celery main process that feeds this
+    pool process its messages: when the main is gone (killed; this process was orphaned) this
+    process ends, and while the main is frozen (SIGSTOP) no heartbeat is written, so the device
+    expires and the scheduler re-places its jobs instead of sending more to a queue nobody
+    reads."""
 
     def __init__(self, ctx: Context) -> None:
         self._ctx = ctx
+        self._parent = os.getppid()
         self._stop = threading.Event()
         self._models = ModelFacts(ctx.catalog, ctx.config.device)
         self._version = version()
@@ -190,11 +197,26 @@ class Heartbeat:
     def _run(self) -> None:
         while not self._stop.is_set():
             t = time.monotonic()
+            if os.getppid() != self._parent:
+                log.error("the worker's main process %d is gone: ending", self._parent)
+                with contextlib.suppress(Exception):
+                    self._ctx.store.withdraw(self._ctx.config.device_key)
+                os._exit(1)
             try:
-                self.beat()
+                if not _stopped(self._parent):
+                    self.beat()
             except Exception as exc:  # noqa: BLE001 - keep beating through Redis restarts
                 log.warning("heartbeat failed: %s", exc)
             self._stop.wait(max(0.05, keys.HEARTBEAT_INTERVAL - (time.monotonic() - t)))
+
+
+def _stopped(pid: int) -> bool:
+    """True when process `pid` is stopped (SIGSTOP, a debugger): it reads no messages."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] in (b"T", b"t")
+    except (OSError, IndexError):
+        return False
 
 
 def _backend_family(device_name: str) -> str:

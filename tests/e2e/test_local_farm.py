@@ -16,10 +16,13 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import psutil
 import pytest
 import redis
+
+from sdfarm.store import Store
 
 pytestmark = pytest.mark.e2e
 
@@ -88,15 +91,23 @@ def up(models_dir, tmp_path_factory):
 
 def test_up_announces_the_farm_in_the_state_file(up):
     doc = up["doc"]
-    assert doc["redis_url"].startswith("redis://127.0.0.1:")
+    url = urlsplit(doc["redis_url"])
+    assert (url.scheme, url.hostname) == ("redis", "127.0.0.1") and len(url.password) >= 24
     assert doc["devices"] == ["CPU"]
     state_file = up["runtime"] / "sdfarm" / "local.json"
     assert doc["state_file"] == str(state_file)
     assert oct(state_file.parent.stat().st_mode & 0o777) == "0o700"
+    assert oct(state_file.stat().st_mode & 0o777) == "0o600"  # it holds the password
     state = json.loads(state_file.read_text())
     assert state["redis_url"] == doc["redis_url"]
-    assert {"owner", "redis", "scheduler", "worker:CPU"} <= set(state["pids"])
-    assert redis.Redis.from_url(doc["redis_url"]).ping()
+    assert {"owner", "redis", "scheduler", "scheduler:2", "worker:CPU"} <= set(state["pids"])
+    client = redis.Redis.from_url(doc["redis_url"])
+    assert client.ping() and client.config_get("appendonly") == {"appendonly": "yes"}
+    with pytest.raises(redis.AuthenticationError):  # another local user has no password
+        redis.Redis(host=url.hostname, port=url.port).ping()
+    for pid in (int(p[0]) for role, p in state["pids"].items() if role != "owner"):
+        # The password reaches the children through the environment, never their arguments.
+        assert url.password not in Path(f"/proc/{pid}/cmdline").read_text()
 
 
 def test_generate_without_in_process_uses_the_running_farm(up, tmp_path):
@@ -110,8 +121,9 @@ def test_generate_without_in_process_uses_the_running_farm(up, tmp_path):
     assert doc["redis_url"] == up["doc"]["redis_url"]  # found through the state file
     assert "starting a local one" not in done.stderr
     assert out.read_bytes().startswith(b"\x89PNG")
-    jobs = redis.Redis.from_url(up["doc"]["redis_url"]).keys("sdfarm:job:*")
-    assert f"sdfarm:job:{doc['job']}".encode() in jobs
+    store = Store.connect(up["doc"]["redis_url"])
+    assert store.state(doc["job"]) == "done"
+    store.close()
 
 
 def test_sdfarm_redis_url_wins_over_the_state_file(up, tmp_path):

@@ -1,0 +1,195 @@
+"""Chaos: a 200-job batch on `sdfarm up` while the test kill -9s the worker's pool process,
+its Celery main process, the leading scheduler and the redis-server, 12 times in all. Every
+image arrives, each job ran to completion once, nothing failed; the time each part took to
+come back is printed.
+
+A job that kills two workers fails as poison by design, so the test never kills a worker
+while it runs a job an earlier kill already interrupted.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from sdfarm.localfarm.state import read_state
+from sdfarm.store import Store
+
+pytestmark = pytest.mark.e2e
+
+JOBS = 200
+KILLS = ("pool", "main", "scheduler", "redis") * 3
+EVERY_S = 2.0
+DEVICE = "chaoshost/CPU"
+
+
+def sdfarm(*args: str, env: dict[str, str], **kw: Any) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "sdfarm.cli.main", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        **kw,
+    )
+
+
+class Chaos:
+    def __init__(self, state_file: Path) -> None:
+        self.state_file = state_file
+        self.url = read_state(state_file).redis_url
+        self.hit_jobs: set[str] = set()
+        self.rows: list[dict[str, Any]] = []
+
+    def pids(self) -> dict[str, int]:
+        state = read_state(self.state_file)
+        return {role: int(p[0]) for role, p in state.pids.items()} if state else {}
+
+    def store(self) -> Store:
+        return Store.connect(self.url, socket_timeout=2, socket_connect_timeout=2)
+
+    def heartbeat(self) -> dict[str, Any] | None:
+        try:
+            store = self.store()
+            try:
+                return store.heartbeat(DEVICE)
+            finally:
+                store.close()
+        except Exception:  # noqa: BLE001 - Redis may be down right now
+            return None
+
+    def leader_pid(self) -> int | None:
+        try:
+            store = self.store()
+            try:
+                holder = store.lease_holder()
+            finally:
+                store.close()
+        except Exception:  # noqa: BLE001
+            return None
+        return int(holder.split(":")[1]) if holder else None
+
+    def kill(self, target: str) -> None:
+        t0 = time.monotonic()
+        if target in ("pool", "main"):
+            hb = self.heartbeat_running_a_fresh_job()
+            pid = hb["pid"] if target == "pool" else self.pids()["worker:CPU"]
+            before = hb["incarnation"]
+            os.kill(pid, signal.SIGKILL)
+            killed = time.monotonic()
+
+            def back() -> bool:
+                now = self.heartbeat()
+                return bool(now) and now["incarnation"] != before and now["pid"] != hb["pid"]
+        elif target == "scheduler":
+            pid = self.wait_for(lambda: self.leader_pid(), "a leader")
+            os.kill(pid, signal.SIGKILL)
+            killed = time.monotonic()
+
+            def back() -> bool:
+                leader = self.leader_pid()
+                return leader is not None and leader != pid
+        else:
+            pid = self.pids()["redis"]
+            os.kill(pid, signal.SIGKILL)
+            killed = time.monotonic()
+
+            def back() -> bool:
+                new = self.pids().get("redis")
+                if new in (None, pid):
+                    return False
+                try:
+                    store = self.store()
+                    try:
+                        return store.ping()
+                    finally:
+                        store.close()
+                except Exception:  # noqa: BLE001
+                    return False
+
+        self.wait_for(back, f"{target} to come back", timeout=60)
+        recovered = time.monotonic() - killed
+        self.rows.append({"target": target, "pid": pid, "recovery_s": round(recovered, 2),
+                          "waited_s": round(killed - t0, 2)})  # fmt: skip
+
+    def heartbeat_running_a_fresh_job(self) -> dict[str, Any]:
+        """The worker's heartbeat while it runs a job no kill has interrupted yet."""
+
+        def fresh() -> dict[str, Any] | None:
+            hb = self.heartbeat()
+            job = (hb or {}).get("current_job")
+            if hb and job and job not in self.hit_jobs:
+                self.hit_jobs.add(job)
+                return hb
+            return None
+
+        return self.wait_for(fresh, "the worker to run a fresh job", timeout=60)
+
+    @staticmethod
+    def wait_for(check: Any, what: str, timeout: float = 30.0) -> Any:
+        deadline = time.monotonic() + timeout
+        while True:
+            value = check()
+            if value:
+                return value
+            assert time.monotonic() < deadline, f"timed out waiting for {what}"
+            time.sleep(0.02)
+
+
+def test_a_batch_survives_twelve_kills(models_dir: Path, tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "SDFARM_REDIS_URL"}
+    env["XDG_RUNTIME_DIR"] = str(tmp_path)
+    up = sdfarm("up", "--models", str(models_dir), "--device", "CPU", "--host", "chaoshost",
+                "--threads", "1", "--json", env=env)  # fmt: skip
+    try:
+        line = up.stdout.readline()  # type: ignore[union-attr]
+        assert line, f"`sdfarm up` did not start: {up.stderr.read()}"  # type: ignore[union-attr]
+        chaos = Chaos(Path(json.loads(line)["state_file"]))
+        prompts = tmp_path / "prompts.txt"
+        prompts.write_text("".join(f"chaos prompt {i}\n" for i in range(JOBS)))
+        out = tmp_path / "out"
+        batch = sdfarm("batch", str(prompts), "--out", str(out), "--model", "tiny-q8_0",
+                       "--width", "64", "--height", "64", "--steps", "2", "--quiet", "--json",
+                       env=env)  # fmt: skip
+        for target in KILLS:
+            time.sleep(EVERY_S)
+            assert batch.poll() is None, "the batch ended before the kills did"
+            chaos.kill(target)
+        stdout, stderr = batch.communicate(timeout=600)
+        summary = json.loads(stdout)
+        pngs = sorted(out.glob("*.png"))
+        jobs = [json.loads(p.with_suffix(".json").read_text())["job"] for p in pngs]
+        store = chaos.store()
+        try:
+            finished = Counter(
+                e["event"] for j in jobs for e in store.events(j) if e["event"] in ("done",
+                                                                                   "failed")
+            )  # fmt: skip
+            retried = sum(1 for j in jobs for e in store.events(j) if e["event"] == "retried")
+        finally:
+            store.close()
+    finally:
+        up.send_signal(signal.SIGINT)
+        try:
+            up.wait(60)
+        except subprocess.TimeoutExpired:
+            up.kill()
+
+    print(f"\n{'kill':>4} {'target':<10} {'pid':>8} {'recovery s':>11}")
+    for i, row in enumerate(chaos.rows, 1):
+        print(f"{i:>4} {row['target']:<10} {row['pid']:>8} {row['recovery_s']:>11.2f}")
+    print(f"{JOBS} images, {len(set(jobs))} jobs, {retried} re-placed after a kill")
+    assert len(chaos.rows) == len(KILLS) >= 10
+    assert batch.returncode == 0, (summary, stderr[-3000:])
+    assert (summary["done"], summary["failed"], summary["submitted"]) == (JOBS, 0, JOBS)
+    assert len(pngs) == JOBS and len(set(jobs)) == JOBS  # one job per image, none twice
+    assert finished == {"done": JOBS}  # each job ended once, done
