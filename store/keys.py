@@ -30,13 +30,16 @@ The Celery queues (`sdfarm.{host}.{device}` and kombu's priority lists) are name
 
 from __future__ import annotations
 
+import os
+
 PREFIX = "sdfarm:"
 
 JOB_TTL = 7 * 24 * 3600
 """A live job's keys: a job nobody places or runs for a week is gone (the scheduler then drops
 its id from the pending list, and a waiting client is told the job is unknown)."""
-RESULT_TTL = 24 * 3600
-"""Every key of a finished job: its record, result, events and tokens."""
+RESULT_TTL = int(os.environ.get("SDFARM_RESULT_TTL") or 24 * 3600)
+"""Every key of a finished job: its record, result, events and tokens ($SDFARM_RESULT_TTL
+seconds; every process of a farm must see the same value)."""
 HEARTBEAT_TTL = 5.0
 HEARTBEAT_INTERVAL = 1.0
 

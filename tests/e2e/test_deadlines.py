@@ -6,6 +6,7 @@ scheduler, a CPU worker with test hooks on) and the tiny model."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections.abc import Iterator
@@ -130,3 +131,23 @@ def test_a_full_redis_ends_the_wait_and_the_batch_then_the_farm_recovers(
         assert error.startswith(("the result could not be stored: Redis refused", "deadline:"))
     assert farm.submit(MODEL, "after the full Redis", **SMALL).result(60).png
     admin.close()
+
+
+def test_a_frozen_worker_is_noticed_and_replaced(farm: Farm, local: Any) -> None:
+    """SIGSTOP of the worker's Celery main process (it reads no more messages): its pool
+    process stops heartbeating, so the device expires and no job waits on it; the supervisor
+    kills the frozen worker and starts it again, and the farm goes on."""
+    import signal
+
+    main = local.procs["worker:CPU"]
+    before = len(local.supervisor.restarts)
+    os.kill(main.pid, signal.SIGSTOP)
+    try:
+        job = farm.submit(MODEL, "while frozen", **SMALL)
+        assert job.result(60).png
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(main.pid, signal.SIGCONT)
+    restarts = local.supervisor.restarts[before:]
+    assert [(r.role, r.why.split(" for ")[0]) for r in restarts] == [("worker:CPU", "frozen")]
+    assert restarts[0].recovery_s is not None
