@@ -1,5 +1,16 @@
 """`sdfarm batch FILE --out DIR`: a file of prompts rendered into a folder on the running farm
-(else a private local one), with a progress bar; finished images are never redone."""
+(else a private local one), with a progress bar; finished images are never redone.
+
+Every job option the user gave (priority, submitter, deadline_s: `given_options`) goes to each
+job; a batch's priority is 9 unless given. Exit codes: 0 every item rendered (or already
+there); 1 some items failed (each for its own reason, listed in the summary); 2 the input or
+the flags are invalid (nothing queued); 6 (EXIT_FARM) the farm could not be reached, or the
+batch stopped because it could not go on (Redis away past the retry budget, or full); 7
+(EXIT_OUTPUT) the batch stopped because the output folder refused a write (a full disk). A
+stopped batch cancels what it had in flight and keeps every image written: run the same
+command again to resume. With --json, stdout carries exactly one JSON document (the summary,
+with an `error` when it stopped).
+"""
 
 from __future__ import annotations
 
@@ -16,8 +27,27 @@ from sdfarm.cli.farm import (
     _split_model,
     farm_url,
 )
-from sdfarm.cli.main import emit
-from sdfarm.cli.options import given_params
+from sdfarm.cli.main import EXIT_FARM, emit, error_doc
+from sdfarm.cli.options import given_options, given_params
+
+EXIT_OUTPUT = 7
+"""The batch stopped: its output folder refused a write (a full disk, no permission)."""
+
+
+def in_flight_type(text: str) -> int:
+    """The argparse type of `--in-flight`: a whole number of jobs, at least 1 (0 would never
+    queue anything)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"must be a whole number of jobs, 1 or more; got {text!r}"
+        ) from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(
+            f"must be at least 1 (jobs queued on the farm at once: 1 or more); got {value}"
+        )
+    return value
 
 
 def _progress(enabled: bool, total: int, skipped: int) -> Any:
@@ -45,14 +75,19 @@ def _progress(enabled: bool, total: int, skipped: int) -> Any:
 
 
 def cmd_batch(args: argparse.Namespace) -> int:
-    from sdfarm.client.batch import (
-        BatchInputError,
-        existing_files,
-        read_items,
-        run_batch,
-        split_done,
-    )
+    from sdfarm.client.batch import BatchStopped, Summary, batch_options, run_batch
+    from sdfarm.client.batch_input import BatchInputError, read_items
+    from sdfarm.client.batch_output import existing_files, split_done
+    from sdfarm.native.errors import InvalidParameterError
 
+    try:  # the parser's type may be a plain int: the range is checked here either way
+        in_flight = in_flight_type(str(args.in_flight))
+    except argparse.ArgumentTypeError as exc:
+        return _fail(args, ValueError(f"argument --in-flight: {exc}"), 2)
+    try:
+        options = batch_options(given_options(args))
+    except InvalidParameterError as exc:
+        return _fail(args, exc, 2)
     try:
         items = read_items(args.file, args.format)
     except (OSError, BatchInputError) as exc:
@@ -62,8 +97,6 @@ def cmd_batch(args: argparse.Namespace) -> int:
     model, dirs = _split_model(args.model, _models_dirs(args.models))
     if not todo:
         # Nothing to render: no farm is needed (and none is started) to say so.
-        from sdfarm.client.batch import Summary
-
         summary = Summary(total=len(items), skipped=len(items), out=str(out), model=model)
         _report(args, summary)
         return 0
@@ -85,22 +118,28 @@ def cmd_batch(args: argparse.Namespace) -> int:
                     out,
                     model,
                     common=given_params(args),
-                    priority=9 if args.priority is None else args.priority,
-                    in_flight=args.in_flight,
+                    options=options,
+                    in_flight=in_flight,
                     on_progress=on_progress,
-                    submitter=args.submitter,
                 )
     except KeyboardInterrupt:
         _err("interrupted: finished images are kept; run the same command again to resume")
         return 130
+    except BatchStopped as exc:
+        _report(args, exc.summary, exc)
+        return EXIT_OUTPUT if exc.kind == "output" else EXIT_FARM
     except Exception as exc:  # noqa: BLE001 - farm start or connection failures
         return _fail(args, exc)
     _report(args, summary)
     return EXIT_BATCH_FAILED if summary.failed else 0
 
 
-def _report(args: argparse.Namespace, summary: Any) -> None:
+def _report(args: argparse.Namespace, summary: Any, stopped: BaseException | None = None) -> None:
+    """The summary: one JSON document with --json (with `error` when the batch stopped), else
+    text on stdout and the reason it stopped on stderr."""
     if args.json:
-        emit(summary.to_dict())
-    else:
-        print(summary.text())
+        emit({**summary.to_dict(), **(error_doc(stopped) if stopped is not None else {})})
+        return
+    print(summary.text())
+    if stopped is not None:
+        _err(f"error: {stopped}")

@@ -34,7 +34,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from sdfarm.cli import main as cli
-    from sdfarm.client.batch import existing_files, read_items, split_done
+    from sdfarm.client.batch_input import read_items
+    from sdfarm.client.batch_output import existing_files, split_done
 
     models = Path(args.models).resolve()
     if not (models / args.model / "model.json").is_file():

@@ -246,7 +246,9 @@ def add_farm_commands(sub: Any) -> None:
     b.add_argument("--format", choices=("text", "csv", "jsonl"), default=None)
     add_param_flags(b, defaults=False)
     add_option_flags(b, "priority", "submitter", "deadline_s")
-    b.add_argument("--in-flight", type=int, default=8, help="jobs queued on the farm at once")
+    b.add_argument(  # checked by cmd_batch, so that --json still answers with one document
+        "--in-flight", type=int, default=8, help="jobs queued on the farm at once (1 or more)"
+    )
     b.add_argument("--threads", type=int, default=None, help="for a local farm started here")
     b.add_argument("--quiet", action="store_true", help="no progress bar")
     _redis_arg(b)

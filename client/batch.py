@@ -8,17 +8,24 @@ stopped, and nothing finished is ever paid for twice. A PNG appears only once co
 first, then the PNG renamed into place), so its existence is the resume test.
 
 Parsing and the resume decision are pure functions; `run_batch` talks to the farm through a
-client object with `submit(model, prompt, **params)` returning jobs with `.result(timeout)`.
+client object with `submit(model, prompt, **params, **options)` returning jobs with `.id`,
+`.state()`, `.wait(timeout)`, `.result(timeout)` and `.cancel()` (a `Farm`'s `Job`).
+
+What ends an item and what ends the batch: an item fails only for its own reason (its
+parameters are invalid, its model is unknown, its job failed or was cancelled), with the error
+text in the summary. A busy farm is waited for (backoff while collecting what is in flight),
+a Redis that is briefly away is ridden out (`retry_transient`, in `Farm` and here), and a job
+whose record vanished is submitted again. When the batch cannot go on (Redis away past the
+retry budget or refusing writes, the output folder refusing a write) it stops at once with
+`BatchStopped`: what is in flight is cancelled, every image written is kept, and a re-run
+resumes.
 """
 
 from __future__ import annotations
 
 import contextlib
-import csv
-import io
-import json
+import errno
 import os
-import re
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
@@ -26,227 +33,45 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from sdfarm.native.params import PARAMS
+from sdfarm.client.batch_input import BatchItem
+from sdfarm.client.batch_output import existing_files, split_done, write_file, write_result
+from sdfarm.client.errors import (
+    FarmBusyError,
+    FarmError,
+    JobCancelled,
+    JobFailed,
+    UnknownModelError,
+)
+from sdfarm.native.errors import InvalidParameterError
+from sdfarm.native.params import OPTION_NAMES, JobOptions, check_options
 from sdfarm.store import FINAL_STATES
+from sdfarm.store.retry import retry_transient
 
-ITEM_FIELDS: dict[str, type] = {p.name: p.python_type for p in PARAMS if p.name != "prompt"}
-"""Per-item fields an input may set (every generation parameter, sdfarm.native.params), with
-the type each is converted to; the job schema checks their ranges when the item is queued."""
-FORMATS = ("text", "csv", "jsonl")
-SLUG_CHARS = 40
-NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
-
-
-class BatchInputError(ValueError):
-    """The input file is malformed; the message names the line."""
-
-
-@dataclass(frozen=True)
-class BatchItem:
-    """One prompt to render. `params` holds only the fields the input set; the command's
-    flags fill the rest (`merged`)."""
-
-    index: int
-    prompt: str
-    name: str
-    params: dict[str, Any] = field(default_factory=dict)
-    line: int = 0
-
-    def merged(self, common: dict[str, Any]) -> dict[str, Any]:
-        return {**common, **self.params}
+BATCH_PRIORITY = 9
+"""A batch's jobs go last unless the caller says otherwise (JobOptions.priority)."""
+BUSY_FIRST_S = 0.2
+BUSY_MAX_S = 5.0
+"""A busy farm (its queue limit reached) is asked again after 0.2 s, doubling to 5 s."""
+POLL_S = 0.5
+"""Longest block on one job while others are in flight: a result that ends behind the oldest
+job is collected within this."""
+LOST_RESUBMITS = 2
+"""How often an item whose job vanished from the farm (Redis lost it) is submitted again."""
+CANCEL_BUDGET_S = 5.0
+"""How long cancelling what is in flight may ride out a Redis that is away, all jobs together."""
 
 
-def slugify(text: str, limit: int = SLUG_CHARS) -> str:
-    """Lowercase words joined by '-', cut at a word boundary near `limit`: readable in `ls`."""
-    slug = re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
-    if len(slug) > limit:
-        cut = slug[:limit]
-        slug = cut.rsplit("-", 1)[0] if "-" in cut[limit // 2 :] else cut
-    return slug.strip("-") or "prompt"
+class BatchStopped(RuntimeError):
+    """The batch could not go on and stopped: `kind` is "output" (the folder refused a write)
+    or "farm" (Redis away past the retry budget, or refusing writes); `cause` the error and
+    `summary` what was done. What was in flight is cancelled; every image written is kept, so
+    running the same batch again resumes."""
 
-
-def default_name(index: int, prompt: str) -> str:
-    return f"{index:05d}-{slugify(prompt)}"
-
-
-def detect_format(path: str | os.PathLike[str]) -> str:
-    suffix = Path(path).suffix.lower()
-    if suffix in (".jsonl", ".ndjson"):
-        return "jsonl"
-    if suffix in (".csv", ".tsv"):
-        return "csv"
-    return "text"
-
-
-def _convert(name: str, value: Any, line: int) -> Any:
-    kind = ITEM_FIELDS[name]
-    if kind is str:
-        if not isinstance(value, str):
-            raise BatchInputError(f"line {line}: {name} must be text, got {value!r}")
-        return value
-    if isinstance(value, bool):
-        raise BatchInputError(f"line {line}: {name} must be a number, got {value!r}")
-    try:
-        if kind is int:
-            number = float(value) if isinstance(value, str) and "." in value else value
-            if isinstance(number, float) and not number.is_integer():
-                raise ValueError
-            return int(number)
-        return float(value)
-    except (TypeError, ValueError):
-        raise BatchInputError(
-            f"line {line}: {name} must be {'an integer' if kind is int else 'a number'}, "
-            f"got {value!r}"
-        ) from None
-
-
-def _item(index: int, row: dict[str, Any], line: int) -> BatchItem:
-    prompt = row.get("prompt")
-    if not isinstance(prompt, str) or not prompt.strip():
-        raise BatchInputError(f"line {line}: no prompt")
-    params = {}
-    for key, value in row.items():
-        if key in ITEM_FIELDS and value not in (None, ""):
-            params[key] = _convert(key, value, line)
-    name = row.get("name")
-    if name in (None, ""):
-        name = default_name(index, prompt)
-    elif not isinstance(name, str) or not NAME_RE.match(name) or name.endswith(".png"):
-        raise BatchInputError(
-            f"line {line}: name {name!r} is not a plain file name (letters, digits, '.', "
-            f"'_', '-'; no extension)"
-        )
-    return BatchItem(index=index, prompt=prompt.strip(), name=name, params=params, line=line)
-
-
-def parse_text(text: str) -> list[BatchItem]:
-    items = []
-    for n, raw in enumerate(text.splitlines(), 1):
-        line = raw.strip()
-        if not line or line.startswith("#"):
-            continue
-        items.append(_item(len(items), {"prompt": line}, n))
-    return items
-
-
-def parse_csv(text: str) -> list[BatchItem]:
-    dialect = "excel-tab" if "\t" in text.split("\n", 1)[0] else "excel"
-    reader = csv.DictReader(io.StringIO(text), dialect=dialect)
-    fields = [f.strip() for f in reader.fieldnames or []]
-    if "prompt" not in fields:
-        raise BatchInputError("line 1: the CSV header has no `prompt` column")
-    reader.fieldnames = fields
-    unknown = set(fields) - set(ITEM_FIELDS) - {"prompt", "name"}
-    if unknown:
-        raise BatchInputError(f"line 1: unknown CSV columns {sorted(unknown)}")
-    items = []
-    for row in reader:
-        line = reader.line_num
-        if not any((v or "").strip() for v in row.values() if isinstance(v, str)):
-            continue
-        if (row.get("prompt") or "").lstrip().startswith("#"):
-            continue
-        clean = {
-            k: (v.strip() if isinstance(v, str) and k != "prompt" else v) for k, v in row.items()
-        }
-        items.append(_item(len(items), clean, line))
-    return items
-
-
-def parse_jsonl(text: str) -> list[BatchItem]:
-    items = []
-    for n, raw in enumerate(text.splitlines(), 1):
-        line = raw.strip()
-        if not line or line.startswith("#"):
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise BatchInputError(f"line {n}: not JSON ({exc.msg})") from None
-        if not isinstance(row, dict):
-            raise BatchInputError(f"line {n}: expected a JSON object")
-        unknown = set(row) - set(ITEM_FIELDS) - {"prompt", "name"}
-        if unknown:
-            raise BatchInputError(f"line {n}: unknown fields {sorted(unknown)}")
-        items.append(_item(len(items), row, n))
-    return items
-
-
-def parse_items(text: str, fmt: str) -> list[BatchItem]:
-    """Parse `text` in `fmt` (text, csv, jsonl); duplicate names are an error, since two
-    items would write one file and the resume test could not tell them apart."""
-    parser = {"text": parse_text, "csv": parse_csv, "jsonl": parse_jsonl}.get(fmt)
-    if parser is None:
-        raise BatchInputError(f"unknown format {fmt!r}; choose one of {', '.join(FORMATS)}")
-    items = parser(text)
-    seen: dict[str, int] = {}
-    for item in items:
-        if item.name in seen:
-            raise BatchInputError(
-                f"line {item.line}: name {item.name!r} already used on line {seen[item.name]}"
-            )
-        seen[item.name] = item.line
-    return items
-
-
-def read_items(path: str | os.PathLike[str], fmt: str | None = None) -> list[BatchItem]:
-    text = Path(path).read_text(encoding="utf-8-sig")
-    return parse_items(text, fmt or detect_format(path))
-
-
-# -- resuming ------------------------------------------------------------------------------------
-
-
-def png_path(out_dir: Path, item: BatchItem) -> Path:
-    return out_dir / f"{item.name}.png"
-
-
-def sidecar_path(out_dir: Path, item: BatchItem) -> Path:
-    return out_dir / f"{item.name}.json"
-
-
-def split_done(
-    items: Sequence[BatchItem], existing: Iterable[str]
-) -> tuple[list[BatchItem], list[BatchItem]]:
-    """(to do, skipped): an item is skipped when `{name}.png` is among the existing files.
-    Pure, so the decision is tested without a farm or a disk."""
-    have = set(existing)
-    todo = [i for i in items if f"{i.name}.png" not in have]
-    skipped = [i for i in items if f"{i.name}.png" in have]
-    return todo, skipped
-
-
-def existing_files(out_dir: Path) -> set[str]:
-    try:
-        return {p.name for p in out_dir.iterdir() if p.is_file() and p.stat().st_size > 0}
-    except FileNotFoundError:
-        return set()
-
-
-def _write_atomically(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
-
-
-def write_result(out_dir: Path, item: BatchItem, job_id: str, result: Any) -> Path:
-    """The sidecar first, then the PNG: a PNG on disk always has its metadata beside it."""
-    sidecar = {
-        "name": item.name,
-        "prompt": item.prompt,
-        "job": job_id,
-        "metadata": getattr(result, "metadata", {}),
-        "records": getattr(result, "records", []),
-    }
-    _write_atomically(
-        sidecar_path(out_dir, item), json.dumps(sidecar, indent=2, default=str).encode()
-    )
-    target = png_path(out_dir, item)
-    _write_atomically(target, result.png)
-    return target
-
-
-# -- running -------------------------------------------------------------------------------------
+    def __init__(self, message: str, kind: str, cause: BaseException, summary: Summary) -> None:
+        super().__init__(message)
+        self.kind = kind
+        self.cause = cause
+        self.summary = summary
 
 
 @dataclass
@@ -260,10 +85,19 @@ class Summary:
     render_s: float = 0.0
     out: str = ""
     model: str = ""
+    busy_waits: int = 0
+    """How often the farm was at its queue limit and the batch waited before submitting."""
+    stopped: str = ""
+    """Why the batch stopped before the end (BatchStopped), else empty."""
 
     @property
     def failed(self) -> int:
         return len(self.failures)
+
+    @property
+    def remaining(self) -> int:
+        """Items neither written, skipped nor failed: what a re-run would render."""
+        return self.total - self.done - self.skipped - self.failed
 
     @property
     def images_per_s(self) -> float:
@@ -277,7 +111,10 @@ class Summary:
             "done": self.done,
             "skipped": self.skipped,
             "failed": self.failed,
+            "remaining": self.remaining,
             "submitted": self.submitted,
+            "busy_waits": self.busy_waits,
+            "stopped": self.stopped or None,
             "failures": self.failures,
             "images_per_s": self.images_per_s,
             "total_s": round(self.total_s, 3),
@@ -289,11 +126,43 @@ class Summary:
             f"in {self.total_s:.1f} s ({self.images_per_s:.2f} images/s) -> {self.out}"
         ]
         lines += [f"  failed {f['name']}: {f['error']}" for f in self.failures]
+        if self.stopped:
+            lines.append(
+                f"stopped with {self.remaining} not rendered: {self.stopped}; run the same "
+                f"command again to resume"
+            )
         return "\n".join(lines)
 
 
 def _error_text(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
+
+
+def batch_options(options: dict[str, Any] | None) -> dict[str, Any]:
+    """The job options of every job of a batch: `options` (JobOptions fields) over the batch's
+    default priority, checked against the job schema once, before anything is queued.
+    InvalidParameterError for an unknown name or a value out of range."""
+    merged = {"priority": BATCH_PRIORITY, **(options or {})}
+    unknown = sorted(set(merged) - set(OPTION_NAMES))
+    if unknown:
+        raise InvalidParameterError(
+            unknown[0], f"unknown job option; the options are {', '.join(OPTION_NAMES)}"
+        )
+    check_options(JobOptions(**merged))
+    return merged
+
+
+ITEM_SUBMIT_ERRORS = (InvalidParameterError, UnknownModelError)
+"""Errors of `submit` that are the item's own: it fails, the batch goes on."""
+ITEM_RESULT_ERRORS = (JobFailed, JobCancelled)
+"""Errors of a job's result that are the item's own (its job failed or was cancelled)."""
+
+
+@dataclass
+class _Flying:
+    item: BatchItem
+    job: Any
+    since: float
 
 
 def run_batch(
@@ -302,26 +171,48 @@ def run_batch(
     out_dir: str | os.PathLike[str],
     model: str,
     common: dict[str, Any] | None = None,
-    priority: int = 9,
+    options: dict[str, Any] | None = None,
     in_flight: int = 8,
-    timeout: float = 3600.0,
+    timeout: float | None = None,
     on_progress: Callable[[str, BatchItem, int], None] | None = None,
-    submitter: str | None = None,
+    *,
+    write: Callable[[Path, bytes], None] = write_file,
+    sleep: Callable[[float], None] = time.sleep,
+    clock: Callable[[], float] = time.monotonic,
 ) -> Summary:
     """Render the items not yet in `out_dir`, keeping at most `in_flight` jobs queued on the
     farm (late binding keeps the rest off the devices anyway; the bound keeps a huge batch
-    from filling Redis and the queue limit). Results are collected as they finish, not in
-    submission order, so one slow device never holds back writing the others. A failed item
-    is recorded and the batch goes on. `on_progress(kind, item, n_done)` sees every outcome."""
-    start = time.monotonic()
+    from filling Redis and the queue limit). Every job is `farm.submit(model, prompt,
+    **params, **options)`: `common` are the generation parameters of every item (an item's
+    own fields win), `options` the job options (JobOptions; priority 9 unless given).
+
+    Results are collected as they finish, not in submission order, so one slow device never
+    holds back writing the others. A failed item (its own reason: invalid parameters, an
+    unknown model, a failed or cancelled job, or its job not ending within `timeout` seconds
+    of being queued when given) is recorded and the batch goes on. A busy farm is waited for;
+    a job the farm lost is submitted again. `on_progress(kind, item, n_done)` sees every
+    outcome ("done" or "failed").
+
+    BatchStopped when the batch cannot go on: `write(path, bytes)` (the disk; a hook for
+    tests) raised OSError, or the farm's Redis stayed away past the retry budget or refuses
+    writes. What is in flight is cancelled then; images already written stay. ValueError when
+    `in_flight` < 1; InvalidParameterError for invalid `options`, before anything is queued.
+    `sleep` and `clock` are the waits' (hooks for tests)."""
+    if isinstance(in_flight, bool) or not isinstance(in_flight, int) or in_flight < 1:
+        raise ValueError(f"in_flight must be an integer of at least 1, got {in_flight!r}")
+    opts = batch_options(options)
+    start = clock()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     common = dict(common or {})
     todo, skipped = split_done(items, existing_files(out))
     summary = Summary(total=len(items), skipped=len(skipped), out=str(out), model=model)
-    pending = deque(todo)
-    flying: deque[tuple[BatchItem, Any]] = deque()
+    queue = deque(todo)
+    flying: deque[_Flying] = deque()
+    lost: dict[int, int] = {}  # item index -> times its job vanished
     finished = 0
+    busy_delay = 0.0
+    retry_at = start
 
     def note(kind: str, item: BatchItem) -> None:
         if on_progress is not None:
@@ -333,55 +224,139 @@ def run_batch(
         summary.failures.append({"name": item.name, "index": item.index, "error": error})
         note("failed", item)
 
-    def collect(item: BatchItem, job: Any) -> None:
-        nonlocal finished
+    def stop(kind: str, exc: BaseException, item: BatchItem | None = None) -> BatchStopped:
+        if kind == "output":
+            reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+            code = errno.errorcode.get(exc.errno or 0) if isinstance(exc, OSError) else None
+            what = f" {item.name}.png" if item is not None else ""
+            why = f"cannot write{what} into {out}: {reason}" + (f" ({code})" if code else "")
+        else:
+            why = f"the farm cannot take the batch: {_error_text(exc)}"
+        summary.stopped = why
+        return BatchStopped(
+            f"{why}; stopped with {summary.done} images written (kept) and "
+            f"{len(flying)} jobs in flight (cancelled)",
+            kind,
+            exc,
+            summary,
+        )
+
+    def submit(item: BatchItem) -> bool:
+        """True when the item left the queue (queued on the farm, or failed); False when the
+        farm is busy."""
+        nonlocal busy_delay, retry_at
         try:
-            result = job.result(timeout)
-            write_result(out, item, job.id, result)
-        except Exception as exc:  # noqa: BLE001 - one item's failure never stops the batch
+            job = farm.submit(model, item.prompt, **item.merged(common), **opts)
+        except FarmBusyError:
+            busy_delay = min(BUSY_MAX_S, busy_delay * 2) if busy_delay else BUSY_FIRST_S
+            retry_at = clock() + busy_delay
+            summary.busy_waits += 1
+            return False
+        except ITEM_SUBMIT_ERRORS as exc:
+            fail(item, _error_text(exc))
+            return True
+        except Exception as exc:  # Redis away past its budget, or full: nothing can be queued
+            raise stop("farm", exc) from exc
+        busy_delay = 0.0
+        summary.submitted += 1
+        flying.append(_Flying(item, job, clock()))
+        return True
+
+    def collect(entry: _Flying) -> None:
+        nonlocal finished, retry_at
+        item, job = entry.item, entry.job
+        retry_at = min(retry_at, clock())  # a job of ours ended: a busy farm may have room
+        try:
+            result = job.result(None)
+        except ITEM_RESULT_ERRORS as exc:
             fail(item, _error_text(exc))
             return
+        except FarmError as exc:  # the record or the result vanished: the farm lost the job
+            lost[item.index] = lost.get(item.index, 0) + 1
+            if lost[item.index] > LOST_RESUBMITS:
+                fail(item, _error_text(exc))
+            else:
+                queue.appendleft(item)
+            return
+        except Exception as exc:  # Redis away past its budget
+            raise stop("farm", exc) from exc
+        try:
+            write_result(out, item, job.id, result, write)
+        except OSError as exc:
+            raise stop("output", exc, item) from exc
         finished += 1
         summary.done += 1
         note("done", item)
 
-    render_start = time.monotonic()
+    render_start = clock()
     try:
-        while pending or flying:
-            while pending and len(flying) < in_flight:
-                item = pending.popleft()
-                kwargs: dict[str, Any] = {"priority": priority}
-                if submitter:
-                    kwargs["submitter"] = submitter
-                try:
-                    job = farm.submit(model, item.prompt, **item.merged(common), **kwargs)
-                except Exception as exc:  # noqa: BLE001 - invalid params, busy farm: per item
-                    fail(item, _error_text(exc))
-                    continue
-                summary.submitted += 1
-                flying.append((item, job))
+        while queue or flying:
+            while queue and len(flying) < in_flight and clock() >= retry_at:
+                if submit(queue[0]):
+                    queue.popleft()
+            if not flying:
+                if queue:  # busy, with nothing of ours on the farm: wait, then ask again
+                    sleep(max(0.0, retry_at - clock()))
+                continue
+            now = clock()
+            if timeout is not None:
+                for entry in [e for e in flying if now - e.since >= timeout]:
+                    flying.remove(entry)
+                    _cancel([entry.job])
+                    why = f"job {entry.job.id} did not end within {timeout:g} s"
+                    fail(entry.item, f"TimeoutError: {why}")
             if not flying:
                 continue
-            ready = [(i, j) for i, j in flying if _is_final(j)]
-            if not ready:
-                ready = [flying[0]]  # block on the oldest: it is the likeliest to end next
-            for pair in ready:
-                flying.remove(pair)
-                collect(*pair)
+            try:
+                ready = [e for e in flying if _is_final(e.job)]
+                if not ready:
+                    # Block on the oldest (the likeliest to end next), at most until the busy
+                    # farm is asked again, a timeout is due, or POLL_S to look at the others.
+                    wait_s = POLL_S
+                    if queue and len(flying) < in_flight:
+                        wait_s = min(wait_s, retry_at - now)
+                    if timeout is not None:
+                        wait_s = min(wait_s, min(e.since for e in flying) + timeout - now)
+                    if _ended_within(flying[0].job, max(wait_s, 0.01)):
+                        ready = [flying[0]]
+            except Exception as exc:  # Redis away past its budget
+                raise stop("farm", exc) from exc
+            for entry in ready:
+                flying.remove(entry)
+                collect(entry)
     except BaseException:
-        for _, job in flying:  # nobody will read these: free the farm
-            with contextlib.suppress(Exception):
-                job.cancel()
+        _cancel([entry.job for entry in flying])  # nobody will read these: free the farm
         raise
     finally:
-        now = time.monotonic()
+        now = clock()
         summary.render_s = now - render_start
         summary.total_s = now - start
     return summary
 
 
+def _cancel(jobs: Iterable[Any], budget_s: float = CANCEL_BUDGET_S) -> None:
+    """Cancel `jobs`, best effort: transient Redis errors are retried within one shared
+    budget (a batch that stops because Redis is away must not wait a budget per job)."""
+    deadline = time.monotonic() + budget_s
+    for job in jobs:
+        with contextlib.suppress(Exception):
+            retry_transient(job.cancel, budget_s=max(0.0, deadline - time.monotonic()))
+
+
 def _is_final(job: Any) -> bool:
+    """Whether `job` ended (or vanished: `result` then says so). Transient Redis errors are
+    retried; past the budget the error goes up."""
+    state = str(retry_transient(job.state))
+    return state in FINAL_STATES or not state
+
+
+def _ended_within(job: Any, seconds: float) -> bool:
+    """Block up to `seconds` for `job` to end; True when it did, or when waiting showed it
+    never will (gone, or overdue): `result` then reports it."""
     try:
-        return str(job.state()) in FINAL_STATES
-    except Exception:  # noqa: BLE001 - then `result` reports the problem
+        job.wait(seconds)
+    except TimeoutError:
+        return False
+    except FarmError:
         return True
+    return True

@@ -1,5 +1,7 @@
 """`sdfarm batch` on a real local farm with the tiny model: 50 prompts in, 50 PNGs out, a
-re-run redoes nothing, a bad item fails alone."""
+re-run redoes nothing, a bad item fails alone; a farm at its queue limit is waited for, the
+job options reach every job, bad flags and input are refused before any job, and an output
+folder that refuses a write stops the batch cleanly."""
 
 from __future__ import annotations
 
@@ -7,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -176,3 +179,155 @@ def test_every_key_of_a_finished_batch_expires(farm, tmp_path):
             assert all(0 < t <= keys.RESULT_TTL for t in ttls.values()), ttls
     finally:
         store.close()
+
+
+# -- reliability: a busy farm, refused flags and input, options, a full disk ----------------------
+
+NO_FARM = "redis://127.0.0.1:1/0"  # nothing listens: a refusal must come before any farm
+
+
+def refused(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "sdfarm.cli.main", "batch", *args, "--redis", NO_FARM],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_a_queue_limit_smaller_than_the_batch_still_renders_every_item(farm, tmp_path):
+    """The farm refuses a submit past its queue limit (FarmBusyError): the batch waits and
+    submits again, collecting its own results meanwhile; no item fails for it."""
+    store = Store.connect(farm.url)
+    config = store.queues()["config"]
+    items = tmp_path / "twelve.txt"
+    items.write_text("".join(f"a busy farm {i}\n" for i in range(12)))
+    out = tmp_path / "out"
+    try:
+        # What clients read (submit.lua); the leader republishes only when it takes the lead.
+        store.publish_config(queue_limit=1, backlog=int(config.get("backlog") or 2))
+        done = batch(farm, str(items), "--out", str(out), "--model", "tiny-q8_0", *SMALL,
+                     "--in-flight", "8", "--json")  # fmt: skip
+        assert store.queues()["config"]["queue_limit"] in ("1", 1)  # still the limit we set
+    finally:
+        store.publish_config(
+            queue_limit=int(config.get("queue_limit") or 10_000),
+            backlog=int(config.get("backlog") or 2),
+        )
+        store.close()
+    assert done.returncode == 0, done.stderr
+    summary = one_json(done.stdout)
+    assert (summary["done"], summary["failed"], summary["submitted"]) == (12, 0, 12), summary
+    assert summary["busy_waits"] > 0, summary  # the limit was really met
+    assert summary["stopped"] is None
+    assert len(list(out.glob("*.png"))) == 12 and not list(out.glob(".*.tmp"))
+
+
+@pytest.mark.parametrize("value", ["0", "-2"])
+def test_in_flight_below_one_is_refused_with_exit_2(tmp_path, value):
+    items = tmp_path / "p.txt"
+    items.write_text("one\n")
+    args = [str(items), "--out", str(tmp_path / "o"), "--model", "tiny-q8_0"]
+    done = refused(*args, "--in-flight", value)
+    assert done.returncode == 2, done.stderr
+    assert "--in-flight" in done.stderr and "at least 1" in done.stderr
+    assert "Traceback" not in done.stderr
+    as_json = refused(*args, "--in-flight", value, "--json")
+    assert as_json.returncode == 2
+    assert "--in-flight" in one_json(as_json.stdout)["error"]["message"]
+    assert not (tmp_path / "o").exists()
+
+
+def test_invalid_utf8_and_an_open_csv_quote_are_refused_with_exit_2(tmp_path):
+    text = tmp_path / "p.txt"
+    text.write_bytes(b"a kite\nlatin-1 caf\xe9\n")
+    done = refused(str(text), "--out", str(tmp_path / "o"), "--model", "tiny-q8_0")
+    assert done.returncode == 2, done.stderr
+    assert "line 2: not valid UTF-8 (byte 0xe9 at byte offset 18" in done.stderr
+    assert "Traceback" not in done.stderr
+    as_json = refused(str(text), "--out", str(tmp_path / "o"), "--model", "tiny-q8_0", "--json")
+    assert as_json.returncode == 2
+    assert one_json(as_json.stdout)["error"]["type"] == "BatchInputError"
+
+    csv_file = tmp_path / "p.csv"
+    csv_file.write_text('prompt,seed\na kite,1\n"an owl,2\na fox,3\n')
+    done = refused(str(csv_file), "--out", str(tmp_path / "o"), "--model", "tiny-q8_0")
+    assert done.returncode == 2, done.stderr
+    assert "line 3: a quoted field starts on this line and is not closed" in done.stderr
+    assert not (tmp_path / "o").exists()
+
+
+def test_every_job_option_given_reaches_the_jobs(farm, tmp_path):
+    items = tmp_path / "p.txt"
+    items.write_text("with options\n")
+    out = tmp_path / "out"
+    done = batch(farm, str(items), "--out", str(out), "--model", "tiny-q8_0", *SMALL, "--json",
+                 "--priority", "4", "--submitter", "batch-ann", "--deadline-s", "120")  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    job_id = json.loads(next(out.glob("*.json")).read_text())["job"]
+    store = Store.connect(farm.url)
+    try:
+        record = store.record(job_id)
+    finally:
+        store.close()
+    assert (record["priority"], record["submitter"]) == ("4", "batch-ann")
+    assert float(record["deadline"]) == 120.0
+    # Without flags a batch queues at priority 9.
+    plain = batch(farm, str(items), "--out", str(tmp_path / "o2"), "--model", "tiny-q8_0",
+                  *SMALL, "--json")  # fmt: skip
+    assert plain.returncode == 0, plain.stderr
+    job_id = json.loads(next((tmp_path / "o2").glob("*.json")).read_text())["job"]
+    store = Store.connect(farm.url)
+    try:
+        assert store.record(job_id)["priority"] == "9"
+    finally:
+        store.close()
+
+
+def test_an_output_folder_that_refuses_writes_stops_the_batch(farm, tmp_path):
+    """A real write failure (a file size limit: EFBIG, as ENOSPC would be) stops the batch at
+    once: a clear error naming the folder, exit 7, no `.tmp` file, the images already there
+    kept, nothing left queued; with room again the same command finishes the batch."""
+    import resource
+
+    items = tmp_path / "p.txt"
+    items.write_text("".join(f"a full disk {i}\n" for i in range(6)))
+    out = tmp_path / "out"
+    first = batch(farm, str(items), "--out", str(out), "--model", "tiny-q8_0", *SMALL, "--json")
+    assert first.returncode == 0, first.stderr
+    kept = {p.name: p.read_bytes() for p in sorted(out.glob("*.png"))[:2]}
+    for p in sorted(out.glob("*"))[4:]:
+        p.unlink()  # two items done, four to do
+
+    def small_files() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (64, 64))  # CPython ignores SIGXFSZ
+
+    done = subprocess.run(
+        [sys.executable, "-m", "sdfarm.cli.main", "batch", str(items), "--out", str(out),
+         "--model", "tiny-q8_0", *SMALL, "--json", "--redis", farm.url],
+        capture_output=True, text=True, timeout=300, preexec_fn=small_files,
+    )  # fmt: skip
+    assert done.returncode == 7, (done.stdout, done.stderr)
+    doc = one_json(done.stdout)
+    message = doc["error"]["message"]
+    assert doc["error"]["type"] == "BatchStopped"
+    assert f"into {out}: File too large (EFBIG)" in message, message
+    assert (doc["done"], doc["skipped"], doc["failed"]) == (0, 2, 0), doc
+    assert doc["stopped"] and doc["remaining"] == 4
+    assert "Traceback" not in done.stderr
+    assert not list(out.glob(".*.tmp"))
+    assert {p.name: p.read_bytes() for p in out.glob("*.png")} == kept
+    store = Store.connect(farm.url)
+    try:
+        deadline = time.monotonic() + 30
+        while set(store.count_by_state()) & {"queued", "placed", "running"}:
+            assert time.monotonic() < deadline, store.count_by_state()
+            time.sleep(0.2)
+    finally:
+        store.close()
+
+    again = batch(farm, str(items), "--out", str(out), "--model", "tiny-q8_0", *SMALL, "--json")
+    assert again.returncode == 0, again.stderr
+    summary = one_json(again.stdout)
+    assert (summary["done"], summary["skipped"]) == (4, 2), summary
+    assert {p.name: p.read_bytes() for p in out.glob("*.png") if p.name in kept} == kept

@@ -15,7 +15,8 @@ from typing import Any
 
 import pytest
 
-from sdfarm.client.batch import BatchItem, run_batch
+from sdfarm.client.batch import BatchStopped, run_batch
+from sdfarm.client.batch_input import BatchItem
 from sdfarm.client.farm import Farm, JobFailed
 from sdfarm.store import JobSpec, Store, transport
 
@@ -113,10 +114,11 @@ def test_a_full_redis_ends_the_wait_and_the_batch_then_the_farm_recovers(
         assert "the farm's Redis is full" in info.value.error, info.value.error
         assert "past its deadline of 4 s" in info.value.error
         assert waited < 4 + GRACE + 5
+        # A batch stops at once (a full Redis is no item's fault), saying why; a re-run resumes.
         items = [BatchItem(i, f"refused {i}", f"refused-{i}") for i in range(2)]
-        summary = run_batch(farm, items, tmp_path / "out", MODEL, common=SMALL, timeout=30)
-        assert (summary.done, summary.failed) == (0, 2)
-        assert all("Redis is full" in f["error"] for f in summary.failures), summary.failures
+        with pytest.raises(BatchStopped, match="Redis is full") as stopped:
+            run_batch(farm, items, tmp_path / "out", MODEL, common=SMALL, timeout=30)
+        assert stopped.value.kind == "farm" and stopped.value.summary.failed == 0
     finally:
         admin.r.config_set("maxmemory", 0)
     # Redis takes writes again: the job ends (run again after its worker's Celery process,

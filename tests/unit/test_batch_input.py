@@ -4,16 +4,18 @@ from __future__ import annotations
 
 import pytest
 
-from sdfarm.client.batch import (
+from sdfarm.client.batch import Summary
+from sdfarm.client.batch_input import (
     BatchInputError,
     BatchItem,
-    Summary,
+    decode_input,
     default_name,
     detect_format,
     parse_items,
+    read_items,
     slugify,
-    split_done,
 )
+from sdfarm.client.batch_output import split_done
 
 
 def test_text_skips_blank_lines_and_comments_and_numbers_items_not_lines():
@@ -133,3 +135,75 @@ def test_summary_document():
     doc = s.to_dict()
     assert doc["failed"] == 1 and doc["images_per_s"] == 2.0 and doc["done"] == 2
     assert "failed x: GenerationError: boom" in s.text()
+
+
+# -- reading the file: encoding and strict CSV ---------------------------------------------------
+
+
+def test_invalid_utf8_names_the_line_and_the_byte_offset(tmp_path):
+    data = b"a kite\nb caf\xc3\xa9\nthird \xff line\n"
+    with pytest.raises(BatchInputError) as info:
+        decode_input(data)
+    message = str(info.value)
+    assert message.startswith("line 3: not valid UTF-8")
+    assert "byte 0xff at byte offset 21 of the file, byte 7 of the line" in message
+    assert data[21:22] == b"\xff"
+    path = tmp_path / "p.txt"
+    path.write_bytes(data)
+    with pytest.raises(BatchInputError, match="line 3: not valid UTF-8"):
+        read_items(path)
+    # A byte order mark is dropped and counted; a cut multi-byte character is found too.
+    with pytest.raises(BatchInputError, match=r"line 1: .*byte offset 5 of the file"):
+        decode_input(b"\xef\xbb\xbfab\xe2\x82")
+
+
+def test_utf8_with_a_bom_and_any_line_ends_reads_as_before(tmp_path):
+    path = tmp_path / "p.csv"
+    path.write_bytes(b"\xef\xbb\xbfprompt,seed\r\ncaf\xc3\xa9,1\rb,2\n")
+    assert [(i.prompt, i.params, i.line) for i in read_items(path)] == [
+        ("café", {"seed": 1}, 2),
+        ("b", {"seed": 2}, 3),
+    ]
+    # Text and JSONL lines are split on line ends only: U+2028 stays inside its line.
+    jsonl = '{"prompt": "a\u2028b"}\n{"prompt": "c"}\n'
+    assert [(i.prompt, i.line) for i in parse_items(jsonl, "jsonl")] == [("a\u2028b", 1), ("c", 2)]
+
+
+def test_an_unterminated_csv_quote_names_the_line_where_it_starts():
+    text = 'prompt,seed\na kite,1\n"a cat, sitting,2\nb dog,3\nc owl,4\n'
+    with pytest.raises(BatchInputError) as info:
+        parse_items(text, "csv")
+    assert str(info.value).startswith("line 3: a quoted field starts on this line and is not")
+    # At the end of the file (no newline), and in a later column.
+    with pytest.raises(BatchInputError, match="line 2: a quoted field starts"):
+        parse_items('prompt,negative_prompt\nx,"blurry', "csv")
+    # A quote that a later line happens to close never merges the lines in between.
+    with pytest.raises(BatchInputError, match="line 2: a quoted field starts"):
+        parse_items('prompt,seed\n"a cat,1\nb dog,2\nc" owl,3\n', "csv")
+
+
+def test_strict_csv_refuses_stray_quotes_and_extra_values():
+    with pytest.raises(BatchInputError, match=r"line 2: malformed CSV \(',' expected after"):
+        parse_items('prompt\n"a "b" c\n', "csv")
+    with pytest.raises(BatchInputError, match="line 3: 2 values but 1 columns; quote a value"):
+        parse_items("prompt\nfine\na cat, sitting\n", "csv")
+    with pytest.raises(BatchInputError, match=r"line 1: CSV columns \['seed'\] appear more"):
+        parse_items("prompt,seed,seed\nx,1,2\n", "csv")
+    # Still fine: quoted commas, an empty trailing value, comments (even with a quote in them).
+    text = '# don\'t "quote me\nprompt,seed\n"a cat, sitting",\n# "x\n\nb,2,\n'
+    items = parse_items(text, "csv")
+    assert [(i.prompt, i.params, i.line) for i in items] == [
+        ("a cat, sitting", {}, 3),
+        ("b", {"seed": 2}, 6),
+    ]
+
+
+@pytest.mark.parametrize("value", ["0", "-3", "x", "1.5"])
+def test_the_in_flight_flag_is_a_whole_number_of_at_least_one(value):
+    import argparse
+
+    from sdfarm.cli.batch import in_flight_type
+
+    assert in_flight_type("1") == 1 and in_flight_type("64") == 64
+    with pytest.raises(argparse.ArgumentTypeError, match="1 or more"):
+        in_flight_type(value)

@@ -1,0 +1,232 @@
+"""Batch input: prompts from text (one a line, blank lines and `#` comments skipped), CSV (a
+header with `prompt` and optional per-item fields) or JSONL (one object a line), each item with
+a stable output name (its `name`, else `{index:05d}-{slug}`) so a re-run maps it to the same
+file. The per-item fields are the job schema's parameters (sdfarm.native.params). Pure: tested
+without a farm or a disk (tests/unit/test_batch_input.py).
+"""
+
+from __future__ import annotations
+
+import codecs
+import csv
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from sdfarm.native.params import PARAMS
+
+ITEM_FIELDS: dict[str, type] = {p.name: p.python_type for p in PARAMS if p.name != "prompt"}
+"""Per-item fields an input may set (every generation parameter, sdfarm.native.params), with
+the type each is converted to; the job schema checks their ranges when the item is queued."""
+FORMATS = ("text", "csv", "jsonl")
+SLUG_CHARS = 40
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+class BatchInputError(ValueError):
+    """The input file is malformed; the message names the line."""
+
+
+@dataclass(frozen=True)
+class BatchItem:
+    """One prompt to render. `params` holds only the fields the input set; the command's
+    flags fill the rest (`merged`)."""
+
+    index: int
+    prompt: str
+    name: str
+    params: dict[str, Any] = field(default_factory=dict)
+    line: int = 0
+
+    def merged(self, common: dict[str, Any]) -> dict[str, Any]:
+        return {**common, **self.params}
+
+
+def slugify(text: str, limit: int = SLUG_CHARS) -> str:
+    """Lowercase words joined by '-', cut at a word boundary near `limit`: readable in `ls`."""
+    slug = re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
+    if len(slug) > limit:
+        cut = slug[:limit]
+        slug = cut.rsplit("-", 1)[0] if "-" in cut[limit // 2 :] else cut
+    return slug.strip("-") or "prompt"
+
+
+def default_name(index: int, prompt: str) -> str:
+    return f"{index:05d}-{slugify(prompt)}"
+
+
+def detect_format(path: str | os.PathLike[str]) -> str:
+    suffix = Path(path).suffix.lower()
+    if suffix in (".jsonl", ".ndjson"):
+        return "jsonl"
+    if suffix in (".csv", ".tsv"):
+        return "csv"
+    return "text"
+
+
+def _convert(name: str, value: Any, line: int) -> Any:
+    kind = ITEM_FIELDS[name]
+    if kind is str:
+        if not isinstance(value, str):
+            raise BatchInputError(f"line {line}: {name} must be text, got {value!r}")
+        return value
+    if isinstance(value, bool):
+        raise BatchInputError(f"line {line}: {name} must be a number, got {value!r}")
+    try:
+        if kind is int:
+            number = float(value) if isinstance(value, str) and "." in value else value
+            if isinstance(number, float) and not number.is_integer():
+                raise ValueError
+            return int(number)
+        return float(value)
+    except (TypeError, ValueError):
+        raise BatchInputError(
+            f"line {line}: {name} must be {'an integer' if kind is int else 'a number'}, "
+            f"got {value!r}"
+        ) from None
+
+
+def _item(index: int, row: dict[str, Any], line: int) -> BatchItem:
+    prompt = row.get("prompt")
+    if not isinstance(prompt, str) or not prompt.strip():
+        raise BatchInputError(f"line {line}: no prompt")
+    params = {}
+    for key, value in row.items():
+        if key in ITEM_FIELDS and value not in (None, ""):
+            params[key] = _convert(key, value, line)
+    name = row.get("name")
+    if name in (None, ""):
+        name = default_name(index, prompt)
+    elif not isinstance(name, str) or not NAME_RE.match(name) or name.endswith(".png"):
+        raise BatchInputError(
+            f"line {line}: name {name!r} is not a plain file name (letters, digits, '.', "
+            f"'_', '-'; no extension)"
+        )
+    return BatchItem(index=index, prompt=prompt.strip(), name=name, params=params, line=line)
+
+
+def parse_text(text: str) -> list[BatchItem]:
+    items = []
+    for n, raw in enumerate(text.split("\n"), 1):
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        items.append(_item(len(items), {"prompt": line}, n))
+    return items
+
+
+def _csv_line(line: str, n: int, dialect: str) -> list[str]:
+    """One physical line as CSV fields. A record never spans lines here: a quote left open
+    would otherwise swallow the lines after it into one field (one prompt) without a word."""
+    try:
+        rows = list(csv.reader([line], dialect=dialect, strict=True))
+    except csv.Error as exc:
+        if "unexpected end of data" in str(exc):
+            raise BatchInputError(
+                f"line {n}: a quoted field starts on this line and is not closed on it; close "
+                f"the quote (a prompt with a line break belongs in JSONL)"
+            ) from None
+        raise BatchInputError(f"line {n}: malformed CSV ({exc})") from None
+    return rows[0] if rows else []
+
+
+def parse_csv(text: str) -> list[BatchItem]:
+    """A header with `prompt` and optional per-item columns, then a record a line (blank lines
+    and lines starting with `#`, before the header too, skipped). Quoting is strict: an
+    unclosed quote, text after a closing quote or more values than columns are errors naming
+    the line."""
+    numbered = [
+        (n, line)
+        for n, line in enumerate(text.split("\n"), 1)
+        if line.strip() and not line.lstrip().startswith("#")
+    ]
+    if not numbered:
+        raise BatchInputError("line 1: the CSV header has no `prompt` column")
+    header_line, header = numbered[0]
+    dialect = "excel-tab" if "\t" in header else "excel"
+    fields = [f.strip() for f in _csv_line(header, header_line, dialect)]
+    if "prompt" not in fields:
+        raise BatchInputError(f"line {header_line}: the CSV header has no `prompt` column")
+    unknown = set(fields) - set(ITEM_FIELDS) - {"prompt", "name"}
+    if unknown:
+        raise BatchInputError(f"line {header_line}: unknown CSV columns {sorted(unknown)}")
+    twice = sorted({f for f in fields if fields.count(f) > 1})
+    if twice:
+        raise BatchInputError(f"line {header_line}: CSV columns {twice} appear more than once")
+    items = []
+    for n, line in numbered[1:]:
+        values = _csv_line(line, n, dialect)
+        extra = [v for v in values[len(fields) :] if v.strip()]
+        if extra:
+            raise BatchInputError(
+                f"line {n}: {len(values)} values but {len(fields)} columns; quote a value that "
+                f"holds a comma"
+            )
+        row: dict[str, Any] = dict(zip(fields, values, strict=False))
+        if not any(v.strip() for v in row.values()):
+            continue
+        if (row.get("prompt") or "").lstrip().startswith("#"):
+            continue
+        clean = {k: (v.strip() if k != "prompt" else v) for k, v in row.items()}
+        items.append(_item(len(items), clean, n))
+    return items
+
+
+def parse_jsonl(text: str) -> list[BatchItem]:
+    items = []
+    for n, raw in enumerate(text.split("\n"), 1):
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise BatchInputError(f"line {n}: not JSON ({exc.msg})") from None
+        if not isinstance(row, dict):
+            raise BatchInputError(f"line {n}: expected a JSON object")
+        unknown = set(row) - set(ITEM_FIELDS) - {"prompt", "name"}
+        if unknown:
+            raise BatchInputError(f"line {n}: unknown fields {sorted(unknown)}")
+        items.append(_item(len(items), row, n))
+    return items
+
+
+def parse_items(text: str, fmt: str) -> list[BatchItem]:
+    """Parse `text` in `fmt` (text, csv, jsonl); duplicate names are an error, since two
+    items would write one file and the resume test could not tell them apart."""
+    parser = {"text": parse_text, "csv": parse_csv, "jsonl": parse_jsonl}.get(fmt)
+    if parser is None:
+        raise BatchInputError(f"unknown format {fmt!r}; choose one of {', '.join(FORMATS)}")
+    items = parser(text)
+    seen: dict[str, int] = {}
+    for item in items:
+        if item.name in seen:
+            raise BatchInputError(
+                f"line {item.line}: name {item.name!r} already used on line {seen[item.name]}"
+            )
+        seen[item.name] = item.line
+    return items
+
+
+def decode_input(data: bytes) -> str:
+    """The file's text: UTF-8 (a leading byte order mark dropped), line ends made `\\n`.
+    Invalid UTF-8 is a BatchInputError naming the line and the byte offset in the file."""
+    bom = len(codecs.BOM_UTF8) if data.startswith(codecs.BOM_UTF8) else 0
+    try:
+        text = data[bom:].decode("utf-8")
+    except UnicodeDecodeError as exc:
+        at = bom + exc.start
+        line = data.count(b"\n", 0, at) + 1
+        column = at - (data.rfind(b"\n", 0, at) + 1) + 1
+        raise BatchInputError(
+            f"line {line}: not valid UTF-8 (byte 0x{data[at]:02x} at byte offset {at} of the "
+            f"file, byte {column} of the line: {exc.reason}); save the file as UTF-8"
+        ) from None
+    return text.replace("\r\n", "\n").replace("\r", "\n")
+
+
+def read_items(path: str | os.PathLike[str], fmt: str | None = None) -> list[BatchItem]:
+    return parse_items(decode_input(Path(path).read_bytes()), fmt or detect_format(path))
