@@ -13,9 +13,9 @@ import contextlib
 import os
 import time
 from collections import deque
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import asdict, replace
-from typing import Any
+from typing import Any, TypeVar
 
 import redis
 
@@ -48,7 +48,7 @@ from sdfarm.scheduler.registry import (
 )
 from sdfarm.store import JobSpec, Store
 from sdfarm.store.records import new_job_id
-from sdfarm.store.retry import retry_transient
+from sdfarm.store.retry import BUDGET_S, retry_transient
 
 __all__ = [
     "Farm",
@@ -61,6 +61,8 @@ __all__ = [
     "Result",
     "UnknownModelError",
 ]
+
+T = TypeVar("T")
 
 MAP_WINDOW = 256
 MODELS_CACHE_S = 1.0
@@ -75,6 +77,7 @@ class Farm:
         *,
         submitter: str | None = None,
         deadline_grace_s: float = DEADLINE_GRACE_S,
+        retry_s: float = BUDGET_S,
     ) -> None:
         url = redis_url or os.environ.get("SDFARM_REDIS_URL")
         if not url:
@@ -83,10 +86,16 @@ class Farm:
         self.store = Store.connect(url, socket_timeout=WAIT_SLICE_S + 30)
         self.submitter = submitter or os.environ.get("USER") or "anonymous"
         self.deadline_grace_s = deadline_grace_s
+        self.retry_s = retry_s
         self._hb_cache: tuple[float, dict[str, dict[str, Any]]] = (-1e9, {})
 
     def close(self) -> None:
         self.store.close()
+
+    def retry(self, call: Callable[[], T]) -> T:
+        """`call()`, riding out a Redis that is away for up to `retry_s` seconds (a restart, a
+        failover); a service answering requests sets it short, a batch long."""
+        return retry_transient(call, budget_s=self.retry_s)
 
     def __enter__(self) -> Farm:
         return self
@@ -102,7 +111,7 @@ class Farm:
         at, cached = self._hb_cache
         if not fresh and time.monotonic() - at < MODELS_CACHE_S:
             return cached
-        hbs = retry_transient(self.store.heartbeats)
+        hbs = self.retry(self.store.heartbeats)
         self._hb_cache = (time.monotonic(), hbs)
         return hbs
 
@@ -159,7 +168,7 @@ class Farm:
         self._check_model(spec.model)
         job_id = new_job_id()  # the same id on every try: a retry never queues twice
         try:
-            queued, depth, limit = retry_transient(
+            queued, depth, limit = self.retry(
                 lambda: self.store.submit(spec, DEFAULT_QUEUE_LIMIT, job_id)
             )
         except redis.OutOfMemoryError as exc:

@@ -2,7 +2,7 @@
 
 Waiting blocks on the job's done token in Redis (`Store.wait`), so a finished job is seen
 within a round trip, with no polling; the wake-up reads the record and the result together.
-A Redis that restarts or fails over meanwhile is waited for (`retry_transient`).
+A Redis that restarts or fails over meanwhile is waited for (`Farm.retry`).
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING, Any
 from sdfarm.client.errors import FarmError, JobCancelled, JobFailed
 from sdfarm.store import FINAL_STATES, JobResult
 from sdfarm.store.records import loads
-from sdfarm.store.retry import retry_transient
 
 if TYPE_CHECKING:
     from sdfarm.client.farm import Farm
@@ -97,7 +96,7 @@ class Job:
         deadline = None if timeout is None else time.monotonic() + timeout
         token_seen = False
         while True:
-            state, placed, job_deadline, now = retry_transient(lambda: store.watch(self.id))
+            state, placed, job_deadline, now = self.farm.retry(lambda: store.watch(self.id))
             if state in FINAL_STATES:
                 return state, None
             if not state:
@@ -114,15 +113,15 @@ class Job:
                 left = min(left, -overdue + 0.05)
             if self._wait_for_token(min(left, WAIT_SLICE_S)):
                 token_seen = True
-                ended = retry_transient(lambda: store.ended(self.id))
+                ended = self.farm.retry(lambda: store.ended(self.id))
                 if ended.state in FINAL_STATES:
                     return ended.state, ended
 
     def _overdue(self, state: str, job_deadline: float) -> JobFailed:
         """The farm recorded no end well past the job's deadline: give up, saying why."""
-        why = retry_transient(self.farm.store.refusing_writes) or (
+        why = self.farm.retry(self.farm.store.refusing_writes) or (
             "no scheduler recorded it (is one running?)"
-            if retry_transient(self.farm.store.lease_holder) is None
+            if self.farm.retry(self.farm.store.lease_holder) is None
             else "the scheduler did not record it"
         )
         return JobFailed(
@@ -132,7 +131,7 @@ class Job:
         )
 
     def _wait_for_token(self, seconds: float) -> bool:
-        return retry_transient(lambda: self.farm.store.wait(self.id, seconds))
+        return self.farm.retry(lambda: self.farm.store.wait(self.id, seconds))
 
     def result(self, timeout: float | None = None) -> Result:
         """The images; JobFailed / JobCancelled / TimeoutError otherwise."""
@@ -140,7 +139,7 @@ class Job:
         if state == "cancelled":
             raise JobCancelled(self.id)
         if ended is None:
-            ended = retry_transient(lambda: self.farm.store.ended(self.id))
+            ended = self.farm.retry(lambda: self.farm.store.ended(self.id))
         rec = ended.record
         if state == "failed":
             est = rec.get("estimate")

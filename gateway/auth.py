@@ -1,10 +1,25 @@
-"""Who may call the gateway: bearer tokens (compared in constant time), the per-caller rate
-limit, the loopback rule of the status page, and the signatures on image URLs that let OpenAI
-clients fetch an image without the token.
+"""Who may call the gateway, and what they may see: bearer tokens (compared in constant time),
+operator tokens, the owner of a job, the per-caller rate limit, the client's real address
+behind trusted proxies, the status page's session cookie, and the signatures on image URLs that
+let OpenAI clients fetch an image without the token.
 
-`Gate` holds the tokens and the limiter (one per app, on `app.state.gate`); the routes use the
-dependencies `require_token` and `require_page`, or the gate itself where the rule depends on
-the request (a signed image URL).
+`Gate` holds all of it (one per app, on `app.state.gate`). The routes use the dependencies
+`require_token` and `require_page`, which leave the `Caller` on `request.state.caller`, or the
+gate itself where the rule depends on the request (a signed image URL).
+
+The rules:
+
+- No token configured (the gateway then serves only on loopback, `sdfarm.gateway.cli`):
+  everything is open, as one farm-wide view; each client address gets the rate limit.
+- Tokens configured: every endpoint but /healthz needs `Authorization: Bearer <token>`, the
+  status page and its JSON too, loopback clients included (a browser gets a session cookie
+  from `GET /?token=<token>`: `session_cookie`). A job submitted with a token records the
+  token's fingerprint as its owner (`fingerprint`, never the token); a normal token sees and
+  cancels only its own jobs (another owner's job answers 404, as an unknown one); an operator
+  token sees everything.
+- The rate limit is keyed on the authenticated token, else on the client's address; a failed
+  authentication counts against that address. The address is the TCP peer, or, when the peer
+  is a trusted proxy (`trusted_proxies`), the nearest untrusted address X-Forwarded-For names.
 """
 
 from __future__ import annotations
@@ -13,59 +28,155 @@ import hashlib
 import hmac
 import ipaddress
 import math
-from collections.abc import Sequence
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
 from fastapi import Request
 
 from sdfarm.gateway.errors import APIError
 from sdfarm.gateway.ratelimit import RateLimiter
 
+IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
+SESSION_COOKIE = "sdfarm_session"
+SESSION_TTL_S = 12 * 3600
+MISSING = "missing bearer token: send Authorization: Bearer <token>"
 
-def _url_key(tokens: Sequence[str]) -> bytes:
-    """The key that signs image URLs: derived from the tokens, so replicas of a gateway with
-    the same tokens accept each other's URLs."""
+
+def fingerprint(token: str) -> str:
+    """What a job records as its owner for `token`: the first 16 hex digits of its sha256."""
+    return hashlib.sha256(token.encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class Caller:
+    """Who made a request: `owner` is what a job it submits records ("" on an open gateway);
+    `sees_all`: an operator token, or an open gateway."""
+
+    owner: str
+    sees_all: bool
+
+    def may_see(self, owner: str) -> bool:
+        return self.sees_all or (bool(self.owner) and owner == self.owner)
+
+
+OPEN = Caller("", True)
+
+
+def _url_key(tokens: Iterable[str]) -> bytes:
+    """The key that signs image URLs and sessions: derived from the tokens, so replicas of a
+    gateway with the same tokens accept each other's URLs."""
     return hashlib.sha256(b"sdfarm-gateway-url\0" + "\0".join(sorted(tokens)).encode()).digest()
 
 
-class Gate:
-    """The tokens (none: an open gateway, limited per client address) and the rate limit."""
+def parse_networks(values: Iterable[str]) -> list[IPNetwork]:
+    """CIDRs (or single addresses) as networks; ValueError names a bad one."""
+    out = []
+    for v in values:
+        try:
+            out.append(ipaddress.ip_network(v.strip(), strict=False))
+        except ValueError:
+            raise ValueError(f"not an address or CIDR: {v!r}") from None
+    return out
 
-    def __init__(self, tokens: Sequence[str], rate_per_minute: float) -> None:
-        self.tokens = [t for t in tokens if t]
+
+def _ip(text: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    """An address as X-Forwarded-For or a peer writes it ("1.2.3.4", "[::1]:80", "::1")."""
+    text = text.strip()
+    if text.startswith("["):
+        text = text[1:].partition("]")[0]
+    elif text.count(":") == 1:  # IPv4 with a port
+        text = text.partition(":")[0]
+    try:
+        addr = ipaddress.ip_address(text)
+    except ValueError:
+        return None
+    if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
+        return addr.ipv4_mapped
+    return addr
+
+
+class Gate:
+    """The tokens (none: an open gateway, limited per client address), the operator tokens,
+    the trusted proxies and the rate limit."""
+
+    def __init__(
+        self,
+        tokens: Sequence[str],
+        rate_per_minute: float,
+        *,
+        operator_tokens: Sequence[str] = (),
+        trusted_proxies: Sequence[str] = (),
+    ) -> None:
+        operators = [t for t in operator_tokens if t]
+        normal = [t for t in tokens if t and t not in operators]
+        self._tokens: list[tuple[bytes, Caller]] = [
+            (t.encode(), Caller(fingerprint(t), False)) for t in normal
+        ] + [(t.encode(), Caller(fingerprint(t), True)) for t in operators]
+        self._by_owner = {c.owner: c for _, c in self._tokens}
         self.rate_per_minute = rate_per_minute
         self.limiter = RateLimiter(rate_per_minute)
-        self._url_key = _url_key(self.tokens)
+        self.trusted = parse_networks(trusted_proxies)
+        self._url_key = _url_key([*normal, *operators])
 
-    def authorize(self, request: Request) -> None:
-        """A valid bearer token, within its rate; APIError 401 or 429 otherwise."""
-        if not self.tokens:
-            self._limit(request.client.host if request.client else "")
-            return
+    @property
+    def tokens_on(self) -> bool:
+        return bool(self._tokens)
+
+    # -- who is calling ----------------------------------------------------------------------
+
+    def client_address(self, request: Request) -> str:
+        """The client's address: the TCP peer, unless that is a trusted proxy: then the
+        nearest address X-Forwarded-For names that is not a trusted proxy (read from the
+        right: each proxy appends the address it heard from)."""
+        peer = request.client.host if request.client else ""
+        addr = _ip(peer)
+        if addr is None or not self._trusted(addr):
+            return peer
+        hops = [h for v in request.headers.getlist("x-forwarded-for") for h in v.split(",")]
+        for hop in reversed(hops):
+            got = _ip(hop)
+            if got is None:  # garbage: stop at the last address a trusted proxy vouched for
+                break
+            addr = got
+            if not self._trusted(addr):
+                break
+        return str(addr)
+
+    def _trusted(self, addr: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
+        return any(addr.version == n.version and addr in n for n in self.trusted)
+
+    def _token_caller(self, given: str) -> Caller | None:
+        found = None
+        raw = given.encode()
+        for t, caller in self._tokens:  # every token compared: the time says nothing
+            if hmac.compare_digest(raw, t):
+                found = caller
+        return found
+
+    def authorize(self, request: Request, *, cookie: bool = False) -> Caller:
+        """The Caller of a request with a valid bearer token (or, with `cookie`, a valid
+        session cookie) within its rate, or of any request on an open gateway; APIError 401
+        or 429 otherwise. A failed authentication counts against the client's address."""
+        if not self.tokens_on:
+            self._limit("addr:" + self.client_address(request))
+            return OPEN
         scheme, _, given = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not given:
-            raise APIError(
-                401,
-                "missing bearer token: send Authorization: Bearer <token>",
-                type="authentication_error",
-                code="missing_api_key",
-            )
-        for t in self.tokens:
-            if hmac.compare_digest(given.strip().encode(), t.encode()):
-                self._limit("token:" + t)
-                return
-        raise APIError(
-            401, "invalid bearer token", type="authentication_error", code="invalid_api_key"
-        )
-
-    def authorize_page(self, request: Request) -> None:
-        """The status page and its JSON: open to loopback clients, else as the API."""
-        host = request.client.host if request.client else ""
-        try:
-            if ipaddress.ip_address(host).is_loopback:
-                return
-        except ValueError:
-            pass
-        self.authorize(request)
+        caller = None
+        if scheme.lower() == "bearer" and given.strip():
+            caller = self._token_caller(given.strip())
+            code, why = "invalid_api_key", "invalid bearer token"
+        else:
+            code, why = "missing_api_key", MISSING
+            session = request.cookies.get(SESSION_COOKIE) if cookie else None
+            if session:
+                caller = self.session_caller(session)
+                code, why = "invalid_api_key", "invalid or expired session: sign in again"
+        if caller is None:
+            self._limit("addr:" + self.client_address(request))
+            raise APIError(401, why, type="authentication_error", code=code)
+        self._limit("token:" + caller.owner)
+        return caller
 
     def _limit(self, key: str) -> None:
         wait = self.limiter.take(key)
@@ -79,19 +190,57 @@ class Gate:
                 headers={"Retry-After": str(max(1, math.ceil(wait)))},
             )
 
+    # -- the status page's session -------------------------------------------------------------
+
+    def token_caller(self, request: Request, token: str) -> Caller:
+        """The Caller of `token` given by hand (the status page's sign-in), counted as an
+        authentication; APIError 401 or 429 otherwise."""
+        caller = self._token_caller(token) if token else None
+        if caller is None:
+            self._limit("addr:" + self.client_address(request))
+            raise APIError(
+                401, "invalid token", type="authentication_error", code="invalid_api_key"
+            )
+        self._limit("token:" + caller.owner)
+        return caller
+
+    def session_cookie(self, caller: Caller, now: float | None = None) -> str:
+        """A cookie value that stands for `caller` for SESSION_TTL_S: its fingerprint, the
+        expiry and this gateway's signature of both (never the token)."""
+        expires = int((time.time() if now is None else now) + SESSION_TTL_S)
+        return f"{caller.owner}.{expires}.{self._sign(f'session:{caller.owner}:{expires}')}"
+
+    def session_caller(self, value: str, now: float | None = None) -> Caller | None:
+        owner, _, rest = value.partition(".")
+        expires, _, sig = rest.partition(".")
+        caller = self._by_owner.get(owner)
+        if caller is None or not expires.isdigit() or not sig:
+            return None
+        if int(expires) < (time.time() if now is None else now):
+            return None
+        good = self._sign(f"session:{owner}:{expires}")
+        return caller if hmac.compare_digest(sig.encode(), good.encode()) else None
+
+    # -- signed image URLs ---------------------------------------------------------------------
+
+    def _sign(self, text: str) -> str:
+        return hmac.new(self._url_key, text.encode(), hashlib.sha256).hexdigest()[:32]
+
     def sign(self, job_id: str, i: int) -> str:
-        return hmac.new(self._url_key, f"{job_id}:{i}".encode(), hashlib.sha256).hexdigest()[:32]
+        return self._sign(f"{job_id}:{i}")
 
     def signed(self, job_id: str, i: int, sig: str) -> bool:
         """True when `sig` is this gateway's signature of image `i` of the job (tokens only:
         an open gateway needs none)."""
         return bool(
-            self.tokens and sig and hmac.compare_digest(sig.encode(), self.sign(job_id, i).encode())
+            self.tokens_on
+            and sig
+            and hmac.compare_digest(sig.encode(), self.sign(job_id, i).encode())
         )
 
     def image_url(self, job_id: str, i: int) -> str:
         """The image's path, relative to the gateway's base URL, signed when tokens are on."""
-        q = f"i={i}" + (f"&sig={self.sign(job_id, i)}" if self.tokens else "")
+        q = f"i={i}" + (f"&sig={self.sign(job_id, i)}" if self.tokens_on else "")
         return f"v1/jobs/{job_id}/image.png?{q}"
 
 
@@ -99,11 +248,18 @@ def gate(request: Request) -> Gate:
     return request.app.state.gate
 
 
-def require_token(request: Request) -> None:
-    """Dependency: a valid bearer token (or, with no tokens, the client's rate)."""
-    gate(request).authorize(request)
+def caller(request: Request) -> Caller:
+    """The Caller a dependency authorized (an open gateway's when none ran)."""
+    return getattr(request.state, "caller", OPEN)
 
 
-def require_page(request: Request) -> None:
-    """Dependency: a loopback client, or as `require_token`."""
-    gate(request).authorize_page(request)
+async def require_token(request: Request) -> None:
+    """Dependency: a valid bearer token (or, with no tokens, the client's rate). Async: it
+    reads nothing, so it needs no thread of the pool."""
+    request.state.caller = gate(request).authorize(request)
+
+
+async def require_page(request: Request) -> None:
+    """Dependency of the status page and its JSON: as `require_token`, or the page's session
+    cookie; loopback clients are no exception."""
+    request.state.caller = gate(request).authorize(request, cookie=True)

@@ -1,5 +1,7 @@
 """The status page served at `GET /`: one HTML document with inline CSS and a small inline
-script (no build step) that reads `GET /v1/status` every 2 s and draws it."""
+script (no build step) that reads `GET /v1/status` every 2 s and draws it; and, for a gateway
+with tokens, the sign-in form `GET /` shows a browser without a session (it sends the token
+to `GET /?token=`, which sets the session cookie)."""
 
 from __future__ import annotations
 
@@ -146,6 +148,7 @@ function render(s) {
 async function tick() {
   try {
     const r = await fetch("v1/status", {cache: "no-store"});
+    if (r.status === 401) { location.reload(); return; }  // the session expired: sign in
     if (!r.ok) throw new Error("HTTP " + r.status);
     render(await r.json());
   } catch (e) {
@@ -158,3 +161,28 @@ tick();
 </body>
 </html>
 """.replace("__REFRESH_MS__", str(REFRESH_MS))
+
+LOGIN_HTML = """<!doctype html>
+<html lang="en">
+<head>
+<meta charset="utf-8">
+<meta name="viewport" content="width=device-width, initial-scale=1">
+<title>sdfarm: sign in</title>
+<style>
+  body { margin:0; font:14px/1.45 system-ui, -apple-system, "Segoe UI", Roboto, sans-serif;
+         background:#f4f5f7; color:#1d2330; display:grid; place-items:center; height:100vh; }
+  form { background:#fff; border:1px solid #dfe3ea; border-radius:8px; padding:20px 24px; }
+  h1 { margin:0 0 12px; font-size:18px; }
+  input { font:inherit; padding:6px 8px; width:22em; margin-right:6px; }
+</style>
+</head>
+<body>
+<form method="get" action="./">
+  <h1>sdfarm status</h1>
+  <p>This gateway needs a token.</p>
+  <input type="password" name="token" placeholder="token" autocomplete="current-password"
+         autofocus required><button type="submit">Sign in</button>
+</form>
+</body>
+</html>
+"""

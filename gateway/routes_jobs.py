@@ -1,6 +1,11 @@
 """The jobs API: `POST /v1/jobs` queues a job and answers at once (202), then
 `GET /v1/jobs/{id}` (its record), `/image.png` (an image, by token or signed URL),
 `/events` (server-sent events until it ends) and `DELETE` (cancel).
+
+With tokens, a job belongs to the token that submitted it (its fingerprint is the job's
+`owner`): another normal token gets 404 for it on every route here, exactly as for a job that
+does not exist, so an id says nothing about whether the job is there. Operator tokens see
+every job.
 """
 
 from __future__ import annotations
@@ -13,8 +18,8 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response, StreamingResponse
 
 from sdfarm.client.farm import Farm, Job
-from sdfarm.gateway.auth import gate, require_token
-from sdfarm.gateway.errors import APIError, _errors, _farm_error
+from sdfarm.gateway.auth import OPEN, Caller, caller, gate, require_token
+from sdfarm.gateway.errors import APIError, _errors, _farm_error, scrub_paths
 from sdfarm.gateway.schemas import JobRequest, body_doc, json_body, parse, submit_args
 from sdfarm.gateway.sse import stream
 
@@ -22,18 +27,22 @@ router = APIRouter()
 JOB_ID = re.compile(r"[0-9a-f]{32}")
 
 
-def job_or_404(farm: Farm, job_id: str) -> Job:
-    """The job, or the 404 when the id is malformed or the farm holds no record of it."""
+def _not_found(job_id: str) -> APIError:
+    return APIError(404, f"no job {job_id} (unknown or expired)", code="job_not_found")
+
+
+def job_or_404(farm: Farm, job_id: str, who: Caller) -> Job:
+    """The job, or the 404 when the id is malformed, the farm holds no record of it, or it
+    belongs to another owner than `who` may see."""
     if not JOB_ID.fullmatch(job_id):
         raise APIError(404, f"no job {job_id}", param="id", code="job_not_found")
-    job = farm.job(job_id)
     try:
-        state = job.state()
+        state, owner = farm.store.jobs_fields([job_id], ("state", "owner"))[0]
     except Exception as exc:  # noqa: BLE001 - Redis away: 503
         raise _farm_error(exc) from None
-    if not state:
-        raise APIError(404, f"no job {job_id} (unknown or expired)", code="job_not_found")
-    return job
+    if not state or not who.may_see(owner):
+        raise _not_found(job_id)
+    return farm.job(job_id)
 
 
 @router.post(
@@ -46,7 +55,7 @@ def job_or_404(farm: Farm, job_id: str) -> Job:
 def create_job(request: Request, body: Any = Depends(json_body)) -> Any:  # noqa: B008
     model, prompt, kwargs = submit_args(parse(JobRequest, body).model_dump())
     try:
-        job = request.app.state.farm.submit(model, prompt, **kwargs)
+        job = request.app.state.farm.submit(model, prompt, owner=caller(request).owner, **kwargs)
     except Exception as exc:  # noqa: BLE001
         raise _farm_error(exc) from None
     request.app.state.recent.add(job.id)
@@ -58,7 +67,7 @@ def create_job(request: Request, body: Any = Depends(json_body)) -> Any:  # noqa
 )
 def get_job(request: Request, job_id: str) -> Any:
     farm: Farm = request.app.state.farm
-    job = job_or_404(farm, job_id)
+    job = job_or_404(farm, job_id, caller(request))
     rec = job.record()
     spec = json.loads(rec.get("spec") or "{}")
     doc: dict[str, Any] = {
@@ -71,7 +80,7 @@ def get_job(request: Request, job_id: str) -> Any:
         "device": rec.get("device") or None,
         "created": float(rec["created"]) if rec.get("created") else None,
         "ended": float(rec["ended"]) if rec.get("ended") else None,
-        "error": rec.get("error") or None,
+        "error": scrub_paths(rec["error"]) if rec.get("error") else None,
         "estimate": int(rec["estimate"]) if rec.get("estimate", "").isdigit() else None,
         "progress": job.progress(),
         "images": farm.store.image_count(job_id),
@@ -86,10 +95,12 @@ def get_job(request: Request, job_id: str) -> Any:
     responses={200: {"content": {"image/png": {}}}, **_errors(401, 404, 409, 503)},
 )
 def get_image(request: Request, job_id: str, i: int = 0, sig: str = "") -> Any:
-    if not gate(request).signed(job_id, i, sig):
-        gate(request).authorize(request)
+    """By a signed URL (the gateway signs only URLs it hands to the job's owner), or by a
+    token that may see the job."""
+    g = gate(request)
+    who = OPEN if g.signed(job_id, i, sig) else g.authorize(request)
     farm: Farm = request.app.state.farm
-    state = job_or_404(farm, job_id).state()
+    state = job_or_404(farm, job_id, who).state()
     if state != "done":
         raise APIError(409, f"job {job_id} is {state}, it has no image", code="job_not_done")
     png = farm.store.image(job_id, i)
@@ -102,7 +113,7 @@ def get_image(request: Request, job_id: str, i: int = 0, sig: str = "") -> Any:
     "/v1/jobs/{job_id}", dependencies=[Depends(require_token)], responses=_errors(401, 404, 503)
 )
 def cancel_job(request: Request, job_id: str) -> Any:
-    job = job_or_404(request.app.state.farm, job_id)
+    job = job_or_404(request.app.state.farm, job_id, caller(request))
     cancelled = job.cancel()
     return {"id": job_id, "cancelled": cancelled, "state": job.state()}
 
@@ -112,11 +123,20 @@ def cancel_job(request: Request, job_id: str) -> Any:
     dependencies=[Depends(require_token)],
     responses={200: {"content": {"text/event-stream": {}}}, **_errors(401, 404, 503)},
 )
-def job_events(request: Request, job_id: str) -> Any:
-    farm: Farm = request.app.state.farm
-    job_or_404(farm, job_id)
+async def job_events(request: Request, job_id: str) -> Any:
+    """Async from end to end: the stream awaits the async store between reads and holds no
+    thread of the pool, however long it stays open."""
+    if not JOB_ID.fullmatch(job_id):
+        raise APIError(404, f"no job {job_id}", param="id", code="job_not_found")
+    store = request.app.state.aio.get()
+    try:
+        state, owner = await store.access(job_id)
+    except Exception as exc:  # noqa: BLE001 - Redis away: 503
+        raise _farm_error(exc) from None
+    if not state or not caller(request).may_see(owner):
+        raise _not_found(job_id)
     return StreamingResponse(
-        stream(farm.store, job_id),
+        stream(store, job_id, clean=scrub_paths),
         media_type="text/event-stream",
         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
     )

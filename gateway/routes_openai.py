@@ -11,9 +11,9 @@ from typing import Any
 
 from fastapi import APIRouter, Depends, Request
 
-from sdfarm.client.farm import Farm
-from sdfarm.gateway.auth import gate, require_token
-from sdfarm.gateway.errors import APIError, _errors, _farm_error
+from sdfarm.client.farm import Farm, JobFailed
+from sdfarm.gateway.auth import caller, gate, require_token
+from sdfarm.gateway.errors import DEADLINE, APIError, _errors, _farm_error
 from sdfarm.gateway.schemas import (
     RESPONSE_FORMATS,
     ImagesRequest,
@@ -30,7 +30,7 @@ OPENAI_FIELDS = {"n", "size", "response_format", "user"}
 
 @router.post(
     "/v1/images/generations",
-    responses=_errors(400, 401, 404, 409, 413, 429, 503, 504, 507),
+    responses=_errors(400, 401, 404, 409, 413, 429, 500, 503, 504, 507),
     openapi_extra=body_doc(ImagesRequest),
 )
 def images_generations(request: Request, body: Any = Depends(json_body)) -> Any:  # noqa: B008
@@ -48,9 +48,11 @@ def images_generations(request: Request, body: Any = Depends(json_body)) -> Any:
     model, prompt, kwargs = submit_args(values)
     farm: Farm = request.app.state.farm
     try:
-        job = farm.submit(model, prompt, **kwargs)
+        job = farm.submit(model, prompt, owner=caller(request).owner, **kwargs)
         request.app.state.recent.add(job.id)
         result = job.result(request.app.state.timeout_s)
+    except JobFailed as exc:
+        raise _farm_error(exc, size_param=True, reason=failure_reason(farm, exc.job_id)) from None
     except Exception as exc:  # noqa: BLE001 - every error becomes an OpenAI error
         raise _farm_error(exc, size_param=True) from None
     if req.response_format == "b64_json":
@@ -60,6 +62,19 @@ def images_generations(request: Request, body: Any = Depends(json_body)) -> Any:
         urls = (gate(request).image_url(job.id, i) for i in range(len(result.pngs)))
         data = [{"url": f"{base}/{url}"} for url in urls]
     return {"created": int(time.time()), "data": data}
+
+
+def failure_reason(farm: Farm, job_id: str) -> str:
+    """Why a failed job failed, as its `failed` event says ("deadline", "poison", ...; ""
+    when it gives none); DEADLINE too when the farm recorded no end at all (the client gave
+    up well past the job's deadline)."""
+    try:
+        if farm.store.state(job_id) in ("queued", "placed", "running"):
+            return DEADLINE
+        failed = [e for e in farm.store.events(job_id) if e.get("event") == "failed"]
+    except Exception:  # noqa: BLE001 - the failure is answered anyway, as a plain one
+        return ""
+    return str(failed[-1].get("reason") or "") if failed else ""
 
 
 @router.get("/v1/models", responses=_errors(401, 503))

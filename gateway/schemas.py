@@ -122,12 +122,53 @@ def parse(model: type[BaseModel], body: Any) -> Any:
 
 async def json_body(request: Request) -> Any:
     """Dependency: the request's JSON body (validated by the handler, so that authorization
-    comes first and every error has OpenAI's shape)."""
+    comes first and every error has OpenAI's shape). The body must be UTF-8 and its text
+    valid Unicode: a JSON escape of half a surrogate pair ("\\ud800") cannot be stored or
+    given to the engine, so it is refused here, naming the field, not by a worker later."""
     raw = await request.body()
     try:
-        return json.loads(raw or b"null")
+        text = raw.decode("utf-8") if raw else "null"
+    except UnicodeDecodeError as exc:
+        raise APIError(
+            400,
+            f"the body is not valid UTF-8: byte 0x{raw[exc.start]:02x} at offset {exc.start}",
+            code="invalid_encoding",
+        ) from None
+    try:
+        doc = json.loads(text)
     except ValueError as exc:
         raise APIError(400, f"the body is not JSON: {exc}", code="invalid_json") from None
+    bad = _bad_text(doc)
+    if bad is not None:
+        raise APIError(
+            400,
+            f"invalid {bad}: the text is not valid Unicode (a lone surrogate escape such as "
+            "\\ud800); send UTF-8 text",
+            param=bad,
+            code="invalid_encoding",
+        )
+    return doc
+
+
+def _bad_text(doc: Any, where: str | None = None) -> str | None:
+    """The top-level field (or "body") holding a string that is not valid Unicode, or None."""
+    if isinstance(doc, str):
+        try:
+            doc.encode("utf-8")
+        except UnicodeEncodeError:
+            return where or "body"
+        return None
+    if isinstance(doc, dict):
+        for k, v in doc.items():
+            bad = _bad_text(k, where or "body") or _bad_text(v, where or str(k))
+            if bad is not None:
+                return bad
+    elif isinstance(doc, list):
+        for v in doc:
+            bad = _bad_text(v, where)
+            if bad is not None:
+                return bad
+    return None
 
 
 def body_doc(model: type[BaseModel]) -> dict[str, Any]:

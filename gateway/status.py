@@ -3,9 +3,10 @@ host with a memory split (free, held by our engines, other), loaded models, queu
 priority, running jobs with their progress, and the newest finished jobs as thumbnails.
 
 Everything is read through the store on each call (one `Farm.status()` plus a few batched
-reads); the only gateway-side state is the short list of job ids this gateway process
-submitted (`RecentJobs`), merged with the farm's list of recently finished jobs
-(`Store.recent`).
+reads). With tokens, a normal token sees only its own jobs in it (`viewer`); the queues and the
+device figures stay visible to every token. The only gateway-side state is the short list of
+job ids this gateway process submitted (`RecentJobs`), merged with the farm's list of recently
+finished jobs (`Store.recent`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 from sdfarm.client.farm import Farm
+from sdfarm.gateway.auth import OPEN, Caller
 
 RECENT_SHOWN = 8
 RECENT_KEPT = 32  # ids remembered: enough that 8 are done while a batch is still queued
@@ -95,16 +97,34 @@ def status_doc(
     image_url: Callable[[str, int], str],
     *,
     shown: int = RECENT_SHOWN,
+    viewer: Caller = OPEN,
 ) -> dict[str, Any]:
-    """The JSON document of `GET /v1/status`."""
+    """The JSON document of `GET /v1/status`. A `viewer` that does not see everything (a
+    normal token) gets the devices, queues and figures, but of the jobs only its own: the
+    running ones, the latest images, and the job ids on each device."""
     st = farm.status()
     store = farm.store
-    devices = [_device(d) for d in st["devices"]]
+    running = st["running"]
+    ids = [job["id"] for job in running]
+    owners: dict[str, str] = {}
+    if not viewer.sees_all and ids:
+        owners = {j: o for j, (o,) in zip(ids, store.jobs_fields(ids, ("owner",)), strict=True)}
+        running = [job for job in running if viewer.may_see(owners[job["id"]])]
+
+    def mine(job_id: Any) -> bool:
+        return viewer.sees_all or viewer.may_see(owners.get(str(job_id), ""))
+
+    devices = []
+    for d in st["devices"]:
+        doc = _device(d)
+        if not viewer.sees_all:
+            doc["jobs"] = [j for j in doc["jobs"] if mine(j)]
+            doc["current_job"] = doc["current_job"] if mine(doc["current_job"]) else None
+        devices.append(doc)
     hosts: dict[str, list[str]] = {}
     for d in devices:
         hosts.setdefault(str(d["host"]), []).append(str(d["key"]))
 
-    running = st["running"]
     progress = store.progress_of([job["id"] for job in running])
     runs = [
         {**job, "progress": prog if isinstance(prog, dict) else None}
@@ -113,9 +133,10 @@ def status_doc(
 
     ids = list(dict.fromkeys([*local_recent, *store.recent(RECENT_KEPT)]))
     recent: list[dict[str, Any]] = []
-    fields = store.jobs_fields(ids, ("state", "model", "ended", "spec")) if ids else []
-    for job_id, (state, model, ended, spec) in zip(ids, fields, strict=True):
-        if state != "done":
+    names = ("state", "model", "ended", "spec", "owner")
+    fields = store.jobs_fields(ids, names) if ids else []
+    for job_id, (state, model, ended, spec, owner) in zip(ids, fields, strict=True):
+        if state != "done" or not viewer.may_see(owner):
             continue
         try:
             params = json.loads(spec or "{}").get("params", {})

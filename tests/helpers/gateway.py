@@ -37,16 +37,19 @@ def cpu_farm(models_dir: Path, host: str) -> Iterator[Any]:
 
 
 @contextlib.contextmanager
-def served_gateway(redis_url: str, tokens: Sequence[str], timeout_s: float) -> Iterator[str]:
-    """The gateway app on a free loopback port; yields its base URL."""
+def served_gateway(
+    redis_url: str, tokens: Sequence[str], timeout_s: float, **options: Any
+) -> Iterator[str]:
+    """The gateway app on a free loopback port (`options`: more of create_app's arguments);
+    yields its base URL."""
     import uvicorn
 
     from sdfarm.gateway import create_app
 
     port = free_port()
-    app = create_app(redis_url, tokens=list(tokens), timeout_s=timeout_s)
+    app = create_app(redis_url, tokens=list(tokens), timeout_s=timeout_s, **options)
     server = uvicorn.Server(
-        uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off")
+        uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on")
     )
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()

@@ -192,7 +192,7 @@ def test_a_token_over_its_rate_gets_429_with_retry_after(redis_url: str) -> None
     from sdfarm.gateway import create_app
 
     app = create_app(redis_url, tokens=["tok-a", "tok-b"], rate_per_minute=6)
-    with TestClient(app) as http:
+    with TestClient(app, base_url="http://localhost") as http:
         auth = {"Authorization": "Bearer tok-a"}
         assert http.get("/v1/models", headers=auth).status_code == 200
         over = http.get("/v1/models", headers=auth)

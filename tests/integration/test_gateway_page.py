@@ -21,6 +21,7 @@ TOKEN = "gateway-page-token"
 CHROMIUM = "/usr/bin/chromium"
 SHOT = Path(__file__).resolve().parents[2] / "docs" / "status-page.png"
 WIDTH, HEIGHT = 1280, 900
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
 
 @pytest.fixture(scope="module")
@@ -58,16 +59,31 @@ def _wait_done(gateway: str, ids: list[str], timeout: float = 120.0) -> None:
                 time.sleep(0.1)
 
 
-def test_page_is_served_on_loopback_without_token(gateway: str) -> None:
-    r = httpx.get(f"{gateway}/")
+def test_page_needs_the_token_even_on_loopback(gateway: str) -> None:
+    assert httpx.get(f"{gateway}/").status_code == 401  # tokens on: loopback is no exception
+    assert httpx.get(f"{gateway}/v1/status").status_code == 401
+    form = httpx.get(f"{gateway}/", headers={"Accept": "text/html"})
+    assert form.status_code == 401 and 'name="token"' in form.text  # a browser's sign-in
+    r = httpx.get(f"{gateway}/", headers=AUTH)
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/html")
     assert '<div id="sdfarm-status">' in r.text and "v1/status" in r.text
+
+
+def test_a_browser_signs_in_with_a_session_cookie(gateway: str) -> None:
+    with httpx.Client(base_url=gateway, follow_redirects=True) as browser:
+        bad = browser.get("/?token=wrong")
+        assert bad.status_code == 401 and not browser.cookies
+        r = browser.get(f"/?token={TOKEN}")  # follows the redirect to "/" with the cookie
+        assert r.status_code == 200 and '<div id="sdfarm-status">' in r.text
+        assert str(r.url) == f"{gateway}/" and TOKEN not in str(browser.cookies)
+        assert browser.get("/v1/status").json()["devices"]
+        assert browser.get("/v1/models").status_code == 401  # the cookie is for the page only
 
 
 def test_status_json_has_devices_with_memory(gateway: str) -> None:
     ids = _submit(gateway, 2, tag="status")
     _wait_done(gateway, ids)
-    doc = httpx.get(f"{gateway}/v1/status").json()  # loopback: no token
+    doc = httpx.get(f"{gateway}/v1/status", headers=AUTH).json()
     assert doc["hosts"] == [{"host": "pagehost", "devices": ["pagehost/CPU"]}]
     (dev,) = doc["devices"]
     assert dev["alive"] and dev["key"] == "pagehost/CPU"
@@ -90,7 +106,7 @@ def test_status_off_loopback_needs_the_token(local_farm: Any) -> None:
 
     app = create_app(local_farm.url, tokens=[TOKEN])
     try:
-        with TestClient(app) as c:  # the client address is "testclient": not loopback
+        with TestClient(app, base_url="http://localhost") as c:
             assert c.get("/").status_code == 401
             assert c.get("/v1/status").status_code == 401
             auth = {"Authorization": f"Bearer {TOKEN}"}
@@ -109,7 +125,7 @@ def test_screenshot_while_a_batch_runs(gateway: str, tmp_path: Path) -> None:
     _wait_done(gateway, _submit(gateway, 8, tag="warm-up"))
     batch = _submit(gateway, 20, tag="batch")
     deadline = time.monotonic() + 30
-    while not httpx.get(f"{gateway}/v1/status").json()["running"]:
+    while not httpx.get(f"{gateway}/v1/status", headers=AUTH).json()["running"]:
         assert time.monotonic() < deadline, "no job of the batch started"
         time.sleep(0.02)
     tmp_shot = tmp_path / "shot.png"
@@ -118,7 +134,7 @@ def test_screenshot_while_a_batch_runs(gateway: str, tmp_path: Path) -> None:
         "--no-first-run", "--disable-background-networking", "--disable-component-update",
         "--disable-sync", "--hide-scrollbars", f"--user-data-dir={tmp_path / 'profile'}",
         f"--window-size={WIDTH},{HEIGHT}", "--virtual-time-budget=1500",
-        f"--screenshot={tmp_shot}", f"{gateway}/",
+        f"--screenshot={tmp_shot}", f"{gateway}/?token={TOKEN}",
     ]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=90, check=False)
     assert proc.returncode == 0 and tmp_shot.exists(), proc.stderr[-2000:]

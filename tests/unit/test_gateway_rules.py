@@ -19,6 +19,7 @@ from sdfarm.native.errors import InvalidParameterError
 from sdfarm.native.params import BY_NAME, MAX_BATCH, MAX_SIZE, NAMES
 
 NOWHERE = "redis://127.0.0.1:1/0"
+LOCAL = "http://localhost"  # a Host the gateway serves (TestClient says "testserver")
 
 
 @pytest.mark.parametrize(
@@ -96,7 +97,7 @@ def test_tokens_and_bind_rules() -> None:
 
 @pytest.fixture
 def open_app() -> Iterator[TestClient]:
-    with TestClient(create_app(NOWHERE)) as c:
+    with TestClient(create_app(NOWHERE), base_url=LOCAL) as c:
         yield c
 
 
@@ -141,7 +142,7 @@ def test_bad_values_are_refused_by_the_schemas_check(open_app: TestClient) -> No
 
 
 def test_tokens_are_required_when_configured() -> None:
-    with TestClient(create_app(NOWHERE, tokens=["s3cret"])) as c:
+    with TestClient(create_app(NOWHERE, tokens=["s3cret"]), base_url=LOCAL) as c:
         assert c.get("/v1/models").json()["error"]["code"] == "missing_api_key"
         r = c.get("/v1/models", headers={"Authorization": "Bearer nope"})
         assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
