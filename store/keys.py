@@ -12,6 +12,7 @@ only ones without a TTL; each is bounded (a capped list, a set of devices, a has
 | `progress:{id}` | string | RESULT_TTL | the latest step of a running job (worker) |
 | `cancel:{id}` | string | RESULT_TTL | a cancel request for a placed or running job (client) |
 | `result:{id}` | hash | RESULT_TTL | `png:{i}`, `count`, `meta`, `records` (worker) |
+| `input:{id}` | hash | JOB_TTL, then RESULT_TTL | the job's input images by name (client) |
 | `done:{id}` | list | RESULT_TTL | one token once the job ended; waiters block on it (all) |
 | `hb:{host}/{device}` | string | HEARTBEAT_TTL | the device's heartbeat (worker) |
 | `leader` | string | the lease | the active scheduler's token (scheduler) |
@@ -48,7 +49,7 @@ WAKE_CAP = 100
 RECENT_CAP = 32
 PRIORITIES = range(10)  # 0 = interactive (placed first) ... 9 = batch
 
-JOB_KEY_KINDS = ("job", "events", "progress", "cancel", "result", "done")
+JOB_KEY_KINDS = ("job", "events", "progress", "cancel", "result", "done", "input")
 """The kinds of key one job creates; `job_keys(id)` names them all."""
 
 
@@ -78,6 +79,10 @@ def result_key(job_id: str) -> str:
 
 def done_key(job_id: str) -> str:
     return key("done", job_id)
+
+
+def input_key(job_id: str) -> str:
+    return key("input", job_id)
 
 
 def job_keys(job_id: str) -> list[str]:

@@ -16,6 +16,7 @@ Job record `job:{id}` (hash), written at submit and then by each transition:
 | attempts, lost_on | requeue | lost runs and the devices that lost them |
 | started, incarnation, worker | claim | when and which worker process runs it |
 | records | worker after a load | the load's log records (for a poison report) |
+| inputs | submit | the key of the job's input images, when it has some |
 | ended, error | the end | when it ended (done, failed, cancelled) and why it failed |
 | figures | fail, worker refusal | the memory figures of a refusal (JSON list) |
 

@@ -105,12 +105,18 @@ class Store:
     # -- submit, cancel, wait (client) ------------------------------------------------------
 
     def submit(
-        self, spec: JobSpec, default_queue_limit: int, job_id: str | None = None
+        self,
+        spec: JobSpec,
+        default_queue_limit: int,
+        job_id: str | None = None,
+        inputs: Mapping[str, bytes] | None = None,
     ) -> tuple[str | None, int, int]:
         """(job id, queue depth, queue limit); the id is None when the queue was full. Given
-        the `job_id` of an earlier try, a retried submit queues nothing twice."""
+        the `job_id` of an earlier try, a retried submit queues nothing twice. `inputs` (the
+        job's images by name, already checked) are stored with the job, in the same step."""
         job_id = job_id or new_job_id()
         record = [x for kv in new_job_record(job_id, spec).items() for x in kv]
+        images = [x for kv in (inputs or {}).items() for x in kv]
         queued = event("queued", priority=spec.priority, submitter=spec.submitter)
         ok, depth, limit = self._lua["submit"](
             keys=[
@@ -120,9 +126,11 @@ class Store:
                 keys.events_key(job_id),
                 WAKE_KEY,
                 CONFIG_KEY,
+                keys.input_key(job_id),
             ],
-            args=[job_id, default_queue_limit, queued, EVENTS_CAP, JOB_TTL, WAKE_CAP, *record],
-        )
+            args=[job_id, default_queue_limit, queued, EVENTS_CAP, JOB_TTL, WAKE_CAP,
+                  len(images), *images, *record],
+        )  # fmt: skip
         return (job_id if ok else None), int(depth), int(limit)
 
     def cancel(self, job_id: str, by: str = "client") -> int:
@@ -208,6 +216,10 @@ class Store:
 
     def events_exist(self, job_id: str) -> bool:
         return bool(self.r.exists(keys.events_key(job_id)))
+
+    def inputs(self, job_id: str) -> dict[str, bytes]:
+        """The job's input images by name ({} when it has none)."""
+        return {decode(k): v for k, v in self.r.hgetall(keys.input_key(job_id)).items()}
 
     def image(self, job_id: str, index: int) -> bytes | None:
         return self.r.hget(keys.result_key(job_id), f"png:{index}")

@@ -33,6 +33,7 @@ log(KEYS[4], ARGV[5], ARGV[6], ttl)
 for _, k in ipairs({KEYS[1], KEYS[3], KEYS[4], KEYS[7], KEYS[10]}) do
   redis.call('EXPIRE', k, ttl)
 end
+expire_inputs(KEYS[1], ttl)
 if tonumber(redis.call('GET', KEYS[9]) or '0') > 0 then
   redis.call('LPUSH', KEYS[6], ARGV[8])
   redis.call('LTRIM', KEYS[6], 0, tonumber(ARGV[12]) - 1)

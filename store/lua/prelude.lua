@@ -29,6 +29,12 @@ local function uncount(count, n)
   if redis.call('DECRBY', count, n) < 0 then redis.call('SET', count, 0) end
 end
 
+-- The job's input images (the key its record names) get the finished TTL too.
+local function expire_inputs(job, ttl)
+  local inputs = redis.call('HGET', job, 'inputs')
+  if inputs and inputs ~= '' then redis.call('EXPIRE', inputs, ttl) end
+end
+
 -- A job ends without a result: final state, event, the done token, and the finished TTL
 -- on every key it has.
 local function ended(job, events, done, state, ev, cap, ttl)
@@ -36,4 +42,5 @@ local function ended(job, events, done, state, ev, cap, ttl)
   log(events, ev, cap, ttl)
   redis.call('RPUSH', done, state)
   for _, k in ipairs({job, events, done}) do redis.call('EXPIRE', k, ttl) end
+  expire_inputs(job, ttl)
 end

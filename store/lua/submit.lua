@@ -1,16 +1,23 @@
 -- submit: queue a new job unless the queue is full. Idempotent: a retry of a submit whose
 -- reply was lost (the connection dropped) finds its job and queues nothing twice.
--- KEYS: job, pending list, pending count, events, wake, config
--- ARGV: id, default queue limit, queued event, events cap, job ttl, wake cap,
---       then the record's field/value pairs
+-- KEYS: job, pending list, pending count, events, wake, config, inputs
+-- ARGV: id, default queue limit, queued event, events cap, job ttl, wake cap, n (how many
+--       input ARGVs follow), the n input ARGVs (name, bytes pairs: the job's images), then
+--       the record's field/value pairs
 -- Returns {1, depth, limit} when queued, {0, depth, limit} when the queue is full.
 local limit = tonumber(redis.call('HGET', KEYS[6], 'queue_limit') or ARGV[2])
 local depth = tonumber(redis.call('GET', KEYS[3]) or '0')
 if redis.call('EXISTS', KEYS[1]) == 1 then return {1, depth, limit} end
 if depth >= limit then return {0, depth, limit} end
-redis.call('HSET', KEYS[1], unpack(ARGV, 7))
+local n = tonumber(ARGV[7])
+redis.call('HSET', KEYS[1], unpack(ARGV, 8 + n))
 redis.call('HSET', KEYS[1], 'created', now())
 redis.call('EXPIRE', KEYS[1], ARGV[5])
+if n > 0 then
+  redis.call('HSET', KEYS[7], unpack(ARGV, 8, 7 + n))
+  redis.call('EXPIRE', KEYS[7], ARGV[5])
+  redis.call('HSET', KEYS[1], 'inputs', KEYS[7])
+end
 redis.call('RPUSH', KEYS[2], ARGV[1])
 redis.call('INCR', KEYS[3])
 log(KEYS[4], ARGV[3], ARGV[4], ARGV[5])

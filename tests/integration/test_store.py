@@ -172,3 +172,21 @@ def test_an_overdue_job_fails_and_its_worker_is_told_to_stop(store: Store) -> No
     assert not store.finish(job_id, dispatch, "h/CPU", "done", meta={})  # too late: refused
     state, placed, deadline, now = store.watch(job_id)
     assert (state, deadline) == ("failed", 3600.0) and placed is not None and now >= placed
+
+
+def test_input_images_travel_with_the_job_and_expire_with_it(store: Store) -> None:
+    images = {"init_image": b"\x89PNG fake", "mask_image": b"\x89PNG mask"}
+    job_id, _, _ = store.submit(SPEC, 100, inputs=images)
+    assert job_id is not None and store.inputs(job_id) == images
+    assert 0 < store.ttls(job_id)[keys.input_key(job_id)] <= keys.JOB_TTL
+    assert store.cancel(job_id) == 1
+    assert 0 < store.ttls(job_id)[keys.input_key(job_id)] <= keys.RESULT_TTL
+    plain = submit(store)
+    assert store.inputs(plain) == {} and keys.input_key(plain) not in store.ttls(plain)
+    dispatch = place(store, plain)
+    assert store.claim(plain, dispatch, "inc", "w") is not None
+    with_inputs, _, _ = store.submit(SPEC, 100, inputs=images)
+    dispatch = place(store, with_inputs)
+    assert store.claim(with_inputs, dispatch, "inc", "w") is not None
+    assert store.finish(with_inputs, dispatch, "h/CPU", "done", meta={}, pngs=[b"x"])
+    assert 0 < store.ttls(with_inputs)[keys.input_key(with_inputs)] <= keys.RESULT_TTL
