@@ -10,6 +10,13 @@ The runtime aborts the whole process on some inputs (width 0 or a negative heigh
 zero steps: SIGSEGV; steps -1: memory grows until the OOM killer; see the facts file), so
 every value is checked against the range the runtime survives, and the error names the
 parameter and that range. Clients, the gateway and the worker all validate with this code.
+
+Some combinations crash although each value is in range: `bench/crasher_sweep.py
+--no-validate` runs every sampler x scheduler x steps x size on the real runtime and
+docs/crashers.md lists what it found. Each is refused here by a general rule read from the
+runtime's source (a minimum of steps per scheduler, `MIN_STEPS`; a prompt budget,
+`MAX_PROMPT_BYTES`), and `tests/e2e/test_crasher_sweep.py` checks that with validation nothing
+of the grid crashes.
 """
 
 from __future__ import annotations
@@ -59,7 +66,55 @@ MIN_SIZE, MAX_SIZE, SIZE_STEP = 64, 4096, 8
 MAX_PIXELS = 4096 * 4096
 MAX_STEPS = 200
 MAX_BATCH = 16
-MAX_PROMPT_CHARS = 20_000
+
+# The fewest steps a scheduler's schedule can be built from, and what happens below it, as
+# the runtime's source (src/denoiser.hpp of master-596) shows. Every sampler reads the
+# schedule the scheduler builds, so the minimum holds for every sampler, and for "default"
+# only where it resolves to one of these (the runtime's default for a model family is not
+# known here). Found by bench/crasher_sweep.py (docs/crashers.md).
+MIN_STEPS: dict[str, tuple[int, str]] = {
+    # GITSScheduler indexes its precomputed noise tables with steps - 2 (they cover 2..20
+    # steps): 1 step reads before the first table and the process dies (SIGSEGV).
+    "gits": (2, "its noise tables start at 2 steps; with 1 the runtime crashes (SIGSEGV)"),
+    # Karras and exponential step from sigma_max to sigma_min in steps - 1 intervals: with 1
+    # they divide 0 by 0, every sigma is NaN and the image comes back blank (no crash, but a
+    # device's time for nothing).
+    "karras": (2, "its schedule divides by steps - 1; with 1 the image comes back blank (NaN)"),
+    "exponential": (
+        2,
+        "its schedule divides by steps - 1; with 1 the image comes back blank (NaN)",
+    ),
+}
+
+# The prompt budget. No text encoder of master-596 truncates a prompt: CLIP (SD 1.x/2.x, SDXL,
+# SD3) encodes it in 77-token chunks and concatenates them all, T5 (SD3, Flux, Chroma) likewise
+# in chunks of 77, 256 or 512 tokens, and the LLM encoders (Qwen-Image, Z-Image, Ovis-Image,
+# Flux.2: `LLMEmbedder`, max_length 100,000,000) in one sequence with an n x n attention mask.
+# So every token costs time and memory, growing with the square of the count, while no model
+# the runtime runs reads more than 1,024 tokens (Qwen-Image, the longest; Flux's T5 and Flux.2
+# read 512, Ovis-Image 256 - the runtime pads their prompts to exactly that -, CLIP 77 a
+# chunk). Measured with the tiny model (64x64, 1 step, CPU; docs/crashers.md): a
+# 100- or 1,000-character prompt 0.35 s, 5,000 characters 1.7 s, 20,000 characters 18 s and
+# 3 GB; 5,000 random CJK characters (8,000 tokens) 92 s and 9 GB, 8,000 of them 263 s and
+# 22 GB, and 9,000 (27,000 bytes) kill the process: the runtime's prompt-weight parser
+# (parse_prompt_attention, a recursive std::regex) overflows the 8 MiB stack on a run of
+# 27,000 bytes, and CLIP's tokenizer on one between 24,000 and 30,000.
+# A token takes at least one byte of the prompt in every tokenizer the runtime has (byte-level
+# BPE for CLIP, Qwen and Mistral; T5's unigram pieces), besides a few special tokens, so bytes
+# bound tokens honestly: 4,096 bytes are at most 4,096 tokens (digits, one token each: 18-22 s
+# and 2.6 GB with the tiny model, the worst case) and leave room for 1,024 tokens of English
+# (4.5 characters a token with both the Qwen2 and the CLIP tokenizer: 4,096 characters of
+# prose are about 900 tokens, 1.3 s). A CJK character is 3 bytes and, measured on random ones,
+# 1.6 (Qwen2) to 2.9 (CLIP) tokens: the 1,365 the cap lets through are 2,226 and 3,943.
+MAX_PROMPT_TOKENS = 1_024
+MAX_PROMPT_BYTES = 4_096
+MAX_PROMPT_CHARS = 4_096  # characters <= bytes; the character limit the doors show
+PROMPT_LIMIT_WHY = (
+    f"the runtime encodes every token of a prompt (none of its text encoders truncates) at a "
+    f"cost that grows with the square of their count, and no model it runs reads more than "
+    f"{MAX_PROMPT_TOKENS:,} tokens; a token takes at least one byte (in English about 4.5 "
+    f"characters)"
+)
 MAX_SEED = 2**63 - 1
 RANDOM_SEED = -1
 
@@ -69,7 +124,8 @@ class Param:
     """How one parameter is typed, bounded and explained. `kind` is text, int, float, bool
     or choice; `lo`..`hi` bound numbers (`unit` names them in errors); `step` is a multiple
     ints must be; `choices` lists a choice's values; `auto` is a value outside the range that
-    means "pick one" (seed -1)."""
+    means "pick one" (seed -1). Text is bounded by `max_chars` characters and `max_bytes`
+    UTF-8 bytes; `limit_why` says why, in the error."""
 
     name: str
     kind: str
@@ -82,6 +138,8 @@ class Param:
     choices: tuple[str, ...] = ()
     auto: int | None = None
     max_chars: int | None = None
+    max_bytes: int | None = None
+    limit_why: str = ""
 
     @property
     def required(self) -> bool:
@@ -111,7 +169,7 @@ class Param:
         """`value` converted to this parameter's type and checked; InvalidParameterError
         naming the parameter and its range otherwise."""
         if self.kind == "text":
-            return _text(self.name, value, self.max_chars)
+            return _text(self.name, value, self.max_chars, self.max_bytes, self.limit_why)
         if self.kind == "bool":
             if not isinstance(value, bool):
                 raise InvalidParameterError(self.name, f"must be true or false, got {value!r}")
@@ -156,6 +214,11 @@ def param(kind: str, default: Any, help: str, **rules: Any) -> Any:  # noqa: A00
 
 
 _SIZE = {"lo": MIN_SIZE, "hi": MAX_SIZE, "step": SIZE_STEP, "unit": " pixels"}
+_PROMPT = {
+    "max_chars": MAX_PROMPT_CHARS,
+    "max_bytes": MAX_PROMPT_BYTES,
+    "limit_why": PROMPT_LIMIT_WHY,
+}
 
 
 @dataclass(frozen=True)
@@ -163,10 +226,8 @@ class GenerationParams:
     """One image request as the engine runs it. `seed=-1` picks a random seed, which the
     result reports, so every image can be made again."""
 
-    prompt: str = param("text", MISSING, "what to draw", max_chars=MAX_PROMPT_CHARS)
-    negative_prompt: str = param(
-        "text", "", "what to keep out of the image", max_chars=MAX_PROMPT_CHARS
-    )
+    prompt: str = param("text", MISSING, "what to draw", **_PROMPT)
+    negative_prompt: str = param("text", "", "what to keep out of the image", **_PROMPT)
     width: int = param("int", 256, "image width", **_SIZE)
     height: int = param("int", 256, "image height", **_SIZE)
     steps: int = param("int", 4, "sampling steps", lo=1, hi=MAX_STEPS)
@@ -244,13 +305,36 @@ def _float(name: str, value: Any) -> float:
         raise InvalidParameterError(name, f"must be a number, got {value!r}") from None
 
 
-def _text(name: str, value: Any, max_chars: int | None) -> str:
+def _text(
+    name: str,
+    value: Any,
+    max_chars: int | None,
+    max_bytes: int | None = None,
+    why: str = "",
+) -> str:
     if not isinstance(value, str):
         raise InvalidParameterError(name, f"must be text, got {type(value).__name__}")
     if "\x00" in value:
         raise InvalidParameterError(name, "contains a NUL character")
+    try:
+        size = len(value.encode("utf-8"))
+    except UnicodeEncodeError as e:
+        # A lone surrogate (JSON can carry "\ud800"): the engine passes text to the runtime
+        # as UTF-8, which cannot encode it.
+        raise InvalidParameterError(
+            name, f"contains {value[e.start]!r} at {e.start}, which UTF-8 cannot encode"
+        ) from None
+    because = f": {why}" if why else ""
     if max_chars is not None and len(value) > max_chars:
-        raise InvalidParameterError(name, f"is {len(value)} characters, at most {max_chars}")
+        raise InvalidParameterError(
+            name, f"is {len(value)} characters, at most {max_chars}{because}"
+        )
+    if max_bytes is not None and size > max_bytes:
+        raise InvalidParameterError(
+            name,
+            f"is {len(value)} characters but {size} bytes in UTF-8, at most {max_bytes} "
+            f"bytes{because}",
+        )
     return value
 
 
@@ -275,6 +359,13 @@ def validate(params: GenerationParams) -> GenerationParams:
     if checked["width"] * checked["height"] > MAX_PIXELS:
         raise InvalidParameterError(
             "width x height", f"{checked['width']}x{checked['height']} exceeds {MAX_PIXELS} pixels"
+        )
+    least, why = MIN_STEPS.get(checked["scheduler"], (1, ""))
+    if checked["steps"] < least:
+        raise InvalidParameterError(
+            "steps",
+            f"scheduler {checked['scheduler']} needs at least {least} steps, got "
+            f"{checked['steps']}: {why}; use {least} or more steps, or another scheduler",
         )
     if checked["seed"] == RANDOM_SEED:
         checked["seed"] = secrets.randbelow(2**31)

@@ -5,7 +5,17 @@ from __future__ import annotations
 import pytest
 
 from sdfarm.native.errors import InvalidParameterError
-from sdfarm.native.params import GenerationParams, validate
+from sdfarm.native.params import (
+    BY_NAME,
+    MAX_PROMPT_BYTES,
+    MAX_PROMPT_CHARS,
+    MAX_PROMPT_TOKENS,
+    MIN_STEPS,
+    SAMPLERS,
+    SCHEDULERS,
+    GenerationParams,
+    validate,
+)
 
 BAD = [
     ("width-0", {"width": 0}, "width", "outside 64..4096"),
@@ -64,3 +74,93 @@ def test_a_job_spec_carries_every_job_option() -> None:
     for p in OPTIONS:
         assert p.name in spec, p.name
         assert spec[p.name] == (p.default or spec[p.name]), p.name
+
+
+# -- rules found by the crasher sweep (bench/crasher_sweep.py, docs/crashers.md) -------------
+
+
+@pytest.mark.parametrize("scheduler", sorted(MIN_STEPS))
+def test_a_scheduler_below_its_minimum_steps_is_refused_naming_both(scheduler):
+    least, _why = MIN_STEPS[scheduler]
+    for sampler in ("default", *SAMPLERS):
+        with pytest.raises(InvalidParameterError) as err:
+            validate(GenerationParams(prompt="p", scheduler=scheduler, sampler=sampler, steps=1))
+        assert err.value.parameter == "steps"
+        text = str(err.value)
+        assert f"scheduler {scheduler} needs at least {least} steps, got 1" in text
+        assert "use 2 or more steps, or another scheduler" in text
+        p = validate(GenerationParams(prompt="p", scheduler=scheduler, sampler=sampler, steps=2))
+        assert p.steps == least == 2
+
+
+def test_gits_with_one_step_says_the_runtime_crashes():
+    with pytest.raises(InvalidParameterError, match=r"with 1 the runtime crashes \(SIGSEGV\)"):
+        validate(GenerationParams(prompt="p", scheduler="gits", steps=1))
+    with pytest.raises(InvalidParameterError, match=r"image comes back blank \(NaN\)"):
+        validate(GenerationParams(prompt="p", scheduler="karras", steps=1))
+
+
+@pytest.mark.parametrize("scheduler", ["default", *(s for s in SCHEDULERS if s not in MIN_STEPS)])
+def test_other_schedulers_still_take_one_step(scheduler):
+    assert validate(GenerationParams(prompt="p", scheduler=scheduler, steps=1)).steps == 1
+
+
+def test_the_minimum_steps_rule_comes_after_the_range_checks():
+    with pytest.raises(InvalidParameterError, match="outside 1..200") as err:
+        validate(GenerationParams(prompt="p", scheduler="gits", steps=0))
+    assert err.value.parameter == "steps"
+    with pytest.raises(InvalidParameterError) as err:
+        validate(GenerationParams(prompt="p", scheduler="gits", steps=1, width=100))
+    assert err.value.parameter == "width"
+
+
+def test_the_prompt_budget_is_derived_from_the_token_budget():
+    assert MAX_PROMPT_TOKENS == 1024
+    assert MAX_PROMPT_BYTES == MAX_PROMPT_CHARS == 4 * MAX_PROMPT_TOKENS
+    assert BY_NAME["prompt"].max_chars == BY_NAME["negative_prompt"].max_chars == 4096
+    assert BY_NAME["prompt"].max_bytes == BY_NAME["negative_prompt"].max_bytes == 4096
+
+
+@pytest.mark.parametrize("name", ["prompt", "negative_prompt"])
+def test_a_prompt_over_the_character_limit_is_refused_saying_why(name):
+    ok = validate(GenerationParams(**{"prompt": "p", name: "a" * MAX_PROMPT_CHARS}))
+    assert len(getattr(ok, name)) == MAX_PROMPT_CHARS
+    with pytest.raises(InvalidParameterError) as err:
+        validate(GenerationParams(**{"prompt": "p", name: "a" * (MAX_PROMPT_CHARS + 1)}))
+    assert err.value.parameter == name
+    text = str(err.value)
+    assert text.startswith(f"invalid {name}: is 4097 characters, at most 4096: ")
+    assert "none of its text encoders truncates" in text and "1,024 tokens" in text
+
+
+@pytest.mark.parametrize("name", ["prompt", "negative_prompt"])
+def test_a_prompt_over_the_byte_limit_is_refused_though_short_in_characters(name):
+    # 3 bytes a character in UTF-8: 1365 of them are 4095 bytes, 1366 are 4098.
+    ok = validate(GenerationParams(**{"prompt": "p", name: "灯" * 1365}))
+    assert len(getattr(ok, name).encode()) == 4095
+    with pytest.raises(InvalidParameterError) as err:
+        validate(GenerationParams(**{"prompt": "p", name: "灯" * 1366}))
+    assert err.value.parameter == name
+    text = str(err.value)
+    assert "is 1366 characters but 4098 bytes in UTF-8, at most 4096 bytes: " in text
+    assert "a token takes at least one byte" in text
+    # An emoji is 4 bytes: 1024 of them fill the budget exactly.
+    assert validate(GenerationParams(**{"prompt": "p", name: "\N{WATER WAVE}" * 1024}))
+    with pytest.raises(InvalidParameterError, match="4100 bytes"):
+        validate(GenerationParams(**{"prompt": "p", name: "\N{WATER WAVE}" * 1025}))
+
+
+def test_the_long_prompt_that_crashed_the_runtime_is_refused():
+    """9,000 CJK characters (27,000 bytes) passed the old 20,000-character limit and overflow
+    the runtime's prompt parser's stack (SIGSEGV, docs/crashers.md)."""
+    with pytest.raises(InvalidParameterError) as err:
+        validate(GenerationParams(prompt="灯" * 9000))
+    assert err.value.parameter == "prompt"
+
+
+def test_text_that_utf8_cannot_encode_is_refused():
+    with pytest.raises(InvalidParameterError) as err:
+        validate(GenerationParams(prompt="a\ud800b"))
+    assert err.value.parameter == "prompt"
+    assert "'\\ud800' at 1, which UTF-8 cannot encode" in str(err.value)
+    assert validate(GenerationParams(prompt="a\u00e9\u706f\N{WATER WAVE}b")).prompt
