@@ -23,6 +23,7 @@ from typing import Any
 
 from sdfarm.native.devices import Device, HostFigures
 from sdfarm.store import keys, transport
+from sdfarm.store.retry import retry_transient
 
 log = logging.getLogger("sdfarm.worker")
 
@@ -146,7 +147,9 @@ class Context:
         previous = self.state
         self.set_state("loading", job_id)
         if job_id:
-            self.store.push_event(job_id, "loading", model=name, estimate=estimate)
+            retry_transient(
+                lambda: self.store.push_event(job_id, "loading", model=name, estimate=estimate)
+            )
         t0 = time.monotonic()
         try:
             engine = Engine.load(
@@ -168,13 +171,8 @@ class Context:
             "warmup_s": round(engine.warmup_seconds, 4),
         }
         if job_id:
-            self.store.push_event(
-                job_id,
-                "loaded",
-                model=name,
-                load_s=self.last_load["load_s"],
-                warmup_s=self.last_load["warmup_s"],
-            )
+            timing = {k: self.last_load[k] for k in ("load_s", "warmup_s")}
+            retry_transient(lambda: self.store.push_event(job_id, "loaded", model=name, **timing))
         return engine
 
     def request_engine(

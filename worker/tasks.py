@@ -26,6 +26,7 @@ from sdfarm.native.errors import EngineError, InvalidParameterError, ModelTooLar
 from sdfarm.native.estimate import model_facts
 from sdfarm.native.params import GenerationParams, from_mapping, validate
 from sdfarm.store import Claim, JobSpec
+from sdfarm.store.retry import retry_transient
 from sdfarm.worker import hooks
 from sdfarm.worker.results import Finished
 
@@ -68,7 +69,11 @@ class JobRun:
     def run(self) -> None:
         ctx = self.ctx
         self._t0 = time.monotonic()
-        claimed = self.store.claim(self.job_id, self.dispatch, ctx.incarnation, ctx.worker_name)
+        # Every write on the job's path rides out a Redis restart (retry_transient): a blip
+        # must not fail the job, nor leave it claimed by nobody.
+        claimed = retry_transient(
+            lambda: self.store.claim(self.job_id, self.dispatch, ctx.incarnation, ctx.worker_name)
+        )
         if claimed is None:
             log.info("dropped a stale message for job %s (dispatch %s)", self.job_id, self.dispatch)
             return
@@ -140,7 +145,8 @@ class JobRun:
             # the load ends the job here, without ending the process. A job on a warm engine
             # skips this round trip: its claim checked the cancel a moment ago, and a later
             # one is caught by the cancel watch.
-            if self.store.loaded(self.job_id, self.ctx.load_records.get(name, [])):
+            records = self.ctx.load_records.get(name, [])
+            if retry_transient(lambda: self.store.loaded(self.job_id, records)):
                 self._end("cancelled")
                 return
         with cancel_watch().watching(self):
@@ -199,7 +205,11 @@ class JobRun:
         log.warning("job %s cancelled while running: ending this worker process", self.job_id)
         try:
             self.ctx.uploader.flush(15.0)
-            self.store.finish(self.job_id, self.dispatch, self.ctx.config.device_key, "cancelled")
+            retry_transient(
+                lambda: self.store.finish(
+                    self.job_id, self.dispatch, self.ctx.config.device_key, "cancelled"
+                )
+            )
         finally:
             os._exit(CANCEL_EXIT_CODE)
 

@@ -3,12 +3,14 @@ its Celery main process, the leading scheduler and the redis-server, 12 times in
 image arrives, each job ran to completion once, nothing failed; the time each part took to
 come back is printed.
 
-A job that kills two workers fails as poison by design, so the test never kills a worker
-while it runs a job an earlier kill already interrupted.
+A job that kills two workers fails as poison by design, so the test never kills a worker (or
+Redis) while it runs a job an earlier kill already cost a run: it stops the pool process,
+reads the job records, and kills only if the running job was never re-placed.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -47,7 +49,6 @@ class Chaos:
     def __init__(self, state_file: Path) -> None:
         self.state_file = state_file
         self.url = read_state(state_file).redis_url
-        self.hit_jobs: set[str] = set()
         self.rows: list[dict[str, Any]] = []
 
     def pids(self) -> dict[str, int]:
@@ -81,10 +82,12 @@ class Chaos:
     def kill(self, target: str) -> None:
         t0 = time.monotonic()
         if target in ("pool", "main"):
-            hb = self.heartbeat_running_a_fresh_job()
+            hb = self.wait_for(self.frozen_on_a_fresh_job, "the worker to run a fresh job", 60)
             pid = hb["pid"] if target == "pool" else self.pids()["worker:CPU"]
             before = hb["incarnation"]
             os.kill(pid, signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(hb["pid"], signal.SIGCONT)  # the pool, if it lives on, sees it alone
             killed = time.monotonic()
 
             def back() -> bool:
@@ -99,6 +102,7 @@ class Chaos:
                 leader = self.leader_pid()
                 return leader is not None and leader != pid
         else:
+            self.wait_for(lambda: self.running_fresh() is not False, "no lost job running", 60)
             pid = self.pids()["redis"]
             os.kill(pid, signal.SIGKILL)
             killed = time.monotonic()
@@ -121,18 +125,42 @@ class Chaos:
         self.rows.append({"target": target, "pid": pid, "recovery_s": round(recovered, 2),
                           "waited_s": round(killed - t0, 2)})  # fmt: skip
 
-    def heartbeat_running_a_fresh_job(self) -> dict[str, Any]:
-        """The worker's heartbeat while it runs a job no kill has interrupted yet."""
-
-        def fresh() -> dict[str, Any] | None:
-            hb = self.heartbeat()
-            job = (hb or {}).get("current_job")
-            if hb and job and job not in self.hit_jobs:
-                self.hit_jobs.add(job)
-                return hb
+    def running_fresh(self) -> bool | None:
+        """Whether the job the worker runs now was never lost by a kill (None: it runs
+        nothing); read from the job records, which, unlike a heartbeat, are never stale."""
+        try:
+            store = self.store()
+            try:
+                reading = store.snapshot()
+                running = [
+                    j
+                    for j in reading.running.get(DEVICE, {})
+                    if reading.jobs.get(j, {}).get("state") == "running"
+                ]
+                if not running:
+                    return None
+                return not any(e["event"] == "retried" for j in running for e in store.events(j))
+            finally:
+                store.close()
+        except Exception:  # noqa: BLE001 - Redis may be down right now
             return None
 
-        return self.wait_for(fresh, "the worker to run a fresh job", timeout=60)
+    def frozen_on_a_fresh_job(self) -> dict[str, Any] | None:
+        """The worker's pool process stopped (SIGSTOP) while it runs a job no kill has cost a
+        run yet, and its heartbeat; None (the pool let go again) otherwise. Stopped, it cannot
+        move on to the next job between this check and the kill that follows."""
+        hb = self.heartbeat()
+        if not hb:
+            return None
+        try:
+            os.kill(hb["pid"], signal.SIGSTOP)
+        except ProcessLookupError:
+            return None
+        if self.running_fresh():
+            return hb
+        os.kill(hb["pid"], signal.SIGCONT)
+        time.sleep(0.05)
+        return None
 
     @staticmethod
     def wait_for(check: Any, what: str, timeout: float = 30.0) -> Any:
@@ -189,7 +217,7 @@ def test_a_batch_survives_twelve_kills(models_dir: Path, tmp_path: Path) -> None
         print(f"{i:>4} {row['target']:<10} {row['pid']:>8} {row['recovery_s']:>11.2f}")
     print(f"{JOBS} images, {len(set(jobs))} jobs, {retried} re-placed after a kill")
     assert len(chaos.rows) == len(KILLS) >= 10
-    assert batch.returncode == 0, (summary, stderr[-3000:])
+    assert batch.returncode == 0, (summary.get("failures"), summary.get("error"), stderr[-3000:])
     assert (summary["done"], summary["failed"], summary["submitted"]) == (JOBS, 0, JOBS)
     assert len(pngs) == JOBS and len(set(jobs)) == JOBS  # one job per image, none twice
     assert finished == {"done": JOBS}  # each job ended once, done
