@@ -14,13 +14,13 @@ from typing import Any
 from sdfarm.cli.options import given_params
 from sdfarm.native.catalog import resolve
 from sdfarm.native.engine import Engine, LogConfig
-from sdfarm.native.params import GenerationParams, from_mapping, validate
+from sdfarm.native.params import GenerationParams, from_mapping, read_image_files, validate
 from sdfarm.native.png import png_bytes
 
 
 def params_from_args(args: argparse.Namespace) -> GenerationParams:
     """Every generation parameter from its flag (sdfarm.cli.options)."""
-    return from_mapping({"prompt": args.prompt, **given_params(args)})
+    return from_mapping(read_image_files({"prompt": args.prompt, **given_params(args)}))
 
 
 def _progress_printer(enabled: bool):

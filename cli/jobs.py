@@ -127,8 +127,9 @@ def generate_on_farm(args: argparse.Namespace) -> int:
     params = given_params(args)
     options = {"priority": 0, **given_options(args)}
     try:
-        from sdfarm.native.params import from_mapping, validate
+        from sdfarm.native.params import from_mapping, read_image_files, validate
 
+        params = read_image_files(params)  # read once: the farm gets the bytes
         validate(from_mapping({"prompt": args.prompt, **params}))
         with farm_url(args.redis, dirs, args.threads) as url:
             farm = _connect(url)

@@ -12,7 +12,7 @@ import csv
 import json
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +20,10 @@ from sdfarm.native.params import PARAMS
 
 ITEM_FIELDS: dict[str, type] = {p.name: p.python_type for p in PARAMS if p.name != "prompt"}
 """Per-item fields an input may set (every generation parameter, sdfarm.native.params), with
-the type each is converted to; the job schema checks their ranges when the item is queued."""
+the type each is converted to; the job schema checks their ranges when the item is queued.
+An input image is a file path, relative to the batch file's folder (a list of them in JSONL,
+`;`-separated in CSV, for reference images); it is read when the item is queued."""
+IMAGE_FIELDS = {p.name: p.kind for p in PARAMS if p.kind in ("image", "images")}
 FORMATS = ("text", "csv", "jsonl")
 SLUG_CHARS = 40
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
@@ -69,6 +72,8 @@ def detect_format(path: str | os.PathLike[str]) -> str:
 
 def _convert(name: str, value: Any, line: int) -> Any:
     kind = ITEM_FIELDS[name]
+    if name in IMAGE_FIELDS:
+        return _image_paths(name, value, line)
     if kind is str:
         if not isinstance(value, str):
             raise BatchInputError(f"line {line}: {name} must be text, got {value!r}")
@@ -87,6 +92,38 @@ def _convert(name: str, value: Any, line: int) -> Any:
             f"line {line}: {name} must be {'an integer' if kind is int else 'a number'}, "
             f"got {value!r}"
         ) from None
+
+
+def _image_paths(name: str, value: Any, line: int) -> str | list[str]:
+    """An image field's path, or paths for a list field (a JSON list, or `a.png;b.png`)."""
+    many = IMAGE_FIELDS[name] == "images"
+    if many and isinstance(value, str):
+        value = [v.strip() for v in value.split(";") if v.strip()]
+    if many and isinstance(value, list) and all(isinstance(v, str) and v for v in value):
+        return value
+    if not many and isinstance(value, str) and value:
+        return value
+    raise BatchInputError(
+        f"line {line}: {name} must be {'a list of image paths' if many else 'an image path'}, "
+        f"got {value!r}"
+    )
+
+
+def resolve_images(items: list[BatchItem], folder: Path) -> list[BatchItem]:
+    """Each item's image paths made absolute, relative to the batch file's `folder`."""
+
+    def absolute(v: str) -> str:
+        return str(folder / v)
+
+    out = []
+    for item in items:
+        params = dict(item.params)
+        for name, kind in IMAGE_FIELDS.items():
+            if name in params:
+                v = params[name]
+                params[name] = [absolute(x) for x in v] if kind == "images" else absolute(v)
+        out.append(replace(item, params=params))
+    return out
 
 
 def _item(index: int, row: dict[str, Any], line: int) -> BatchItem:
@@ -229,4 +266,6 @@ def decode_input(data: bytes) -> str:
 
 
 def read_items(path: str | os.PathLike[str], fmt: str | None = None) -> list[BatchItem]:
-    return parse_items(decode_input(Path(path).read_bytes()), fmt or detect_format(path))
+    """The items of a batch file, their image paths made absolute."""
+    items = parse_items(decode_input(Path(path).read_bytes()), fmt or detect_format(path))
+    return resolve_images(items, Path(path).resolve().parent)

@@ -36,7 +36,9 @@ from sdfarm.native.params import (
     PARAMS,
     JobOptions,
     check_options,
+    detach_images,
     from_mapping,
+    read_image_files,
     validate,
 )
 from sdfarm.scheduler.registry import (
@@ -143,8 +145,9 @@ class Farm:
     def submit(self, model: str, prompt: str, *, owner: str = "", **fields: Any) -> Job:
         """Queue one job of `model`. `fields` are the generation parameters (every field of
         sdfarm.native.params.GenerationParams) and the job options (JobOptions), both listed
-        below; `owner` marks who may read the job back through the gateway.
-        InvalidParameterError before anything is queued (an unknown name included);
+        below (an input image as bytes or a file path); `owner` marks who may read the job
+        back through the gateway. InvalidParameterError before anything is queued (an unknown
+        name included);
         UnknownModelError when workers are up and none has `model`; FarmBusyError at the
         queue limit."""
         options = {k: fields.pop(k) for k in OPTION_NAMES if k in fields}
@@ -155,21 +158,24 @@ class Farm:
                 f"unknown parameter; the parameters are {', '.join(NAMES)}; the options are "
                 f"{', '.join(OPTION_NAMES)}",
             )
-        checked = validate(from_mapping({"prompt": prompt, **fields}))
+        checked = validate(from_mapping({"prompt": prompt, **read_image_files(fields)}))
         opts = check_options(JobOptions(**options))
-        spec = JobSpec(model=model, params=checked.as_dict(), owner=owner, **asdict(opts))
-        return self.submit_spec(replace(spec, submitter=opts.submitter or self.submitter))
+        params, inputs = detach_images(checked)
+        spec = JobSpec(model=model, params=params, owner=owner, **asdict(opts))
+        spec = replace(spec, submitter=opts.submitter or self.submitter)
+        return self.submit_spec(spec, inputs)
 
-    def submit_spec(self, spec: JobSpec) -> Job:
-        """Queue a JobSpec whose params and options are already validated (its test hook
-        passes through to workers that honour hooks). Checks the model against the farm."""
+    def submit_spec(self, spec: JobSpec, inputs: Mapping[str, bytes] | None = None) -> Job:
+        """Queue a JobSpec whose params and options are already validated, with its input
+        images (`detach_images`) beside it; its test hook passes through to workers that
+        honour hooks. Checks the model against the farm."""
         if not isinstance(spec.model, str) or not spec.model:
             raise InvalidParameterError("model", "give a model name")
         self._check_model(spec.model)
         job_id = new_job_id()  # the same id on every try: a retry never queues twice
         try:
             queued, depth, limit = self.retry(
-                lambda: self.store.submit(spec, DEFAULT_QUEUE_LIMIT, job_id)
+                lambda: self.store.submit(spec, DEFAULT_QUEUE_LIMIT, job_id, inputs)
             )
         except redis.OutOfMemoryError as exc:
             why = self.store.refusing_writes() or f"Redis refused the write ({exc})"

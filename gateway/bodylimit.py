@@ -8,8 +8,12 @@ from __future__ import annotations
 from typing import Any
 
 from sdfarm.gateway.errors import APIError
+from sdfarm.native.images import MAX_IMAGE_BYTES
+from sdfarm.native.params import MAX_REF_IMAGES
 
-MAX_BODY = 64 * 1024
+MAX_BODY = (2 + MAX_REF_IMAGES) * MAX_IMAGE_BYTES * 4 // 3 + 64 * 1024
+"""Room for every input image a job may carry (init, mask and the reference images, each at
+its cap, base64), plus 64 KiB for the rest of the request."""
 
 
 class BodyLimit:

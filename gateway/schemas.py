@@ -10,6 +10,8 @@ schema so that the document shows them.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 import re
 from typing import Any
@@ -19,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
 from sdfarm.gateway.errors import APIError, validation_error
 from sdfarm.native.errors import InvalidParameterError
-from sdfarm.native.params import BY_NAME, OPTIONS, PARAMS, Param
+from sdfarm.native.params import BY_NAME, IMAGE_PARAMS, OPTIONS, PARAMS, Param
 
 CARRIED = ("width", "height", "batch_count")
 """The parameters OpenAI's request carries in `size` and `n`."""
@@ -31,6 +33,10 @@ _OPTION = {p.name: p for p in OPTIONS}
 
 def schema_rules(p: Param) -> dict[str, Any]:
     """The JSON schema keywords of `p`'s allowed values (ranges, choices, lengths)."""
+    if p.kind == "image":
+        return {"contentEncoding": "base64"}
+    if p.kind == "images":
+        return {"maxItems": int(p.hi or 0)}
     if p.kind == "choice":
         return {"enum": list(p.choices)}
     if p.kind == "text":
@@ -55,6 +61,11 @@ def _field(p: Param, *, help: str | None = None, nullable: bool = False) -> Any:
         text = f"{help or p.help} ({p.range_text}; default: {DEFAULT_SUBMITTER})"
         return (p.python_type | None, Field(None, description=text, json_schema_extra=rules))
     text = f"{help or p.help} ({p.range_text})"
+    if p.kind in ("image", "images"):  # over JSON, an image is base64 (or a data: URL)
+        text = f"{help or p.help} ({p.range_text}), base64"
+        kind: Any = str | None if p.kind == "image" else list[str]
+        return (kind, Field(p.default if p.kind == "image" else [], description=text,
+                            json_schema_extra=rules))  # fmt: skip
     default = ... if p.required else p.default
     return (p.python_type, Field(default, description=text, json_schema_extra=rules))
 
@@ -183,4 +194,23 @@ def submit_args(values: dict[str, Any]) -> tuple[str, str, dict[str, Any]]:
     values = dict(values)
     if values.get("submitter") is None:
         values["submitter"] = DEFAULT_SUBMITTER
+    for p in IMAGE_PARAMS:
+        value = values.get(p.name)
+        if p.kind == "image" and value is not None:
+            values[p.name] = decode_image(p.name, value)
+        elif p.kind == "images":
+            values[p.name] = [decode_image(f"{p.name}[{i}]", v) for i, v in enumerate(value or [])]
     return values.pop("model"), values.pop("prompt"), values
+
+
+def decode_image(name: str, text: str) -> bytes:
+    """An image sent as base64 text (a `data:image/...;base64,` URL too): its bytes, checked by
+    the job schema later; InvalidParameterError when it is not base64."""
+    if text.startswith("data:"):
+        text = text.partition(",")[2]
+    try:
+        return base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError):
+        raise InvalidParameterError(
+            name, "is not base64 (send the image file's bytes as base64)"
+        ) from None

@@ -65,9 +65,14 @@ typedef struct {
     const char* prompt;
     const char* negative_prompt;
     int clip_skip;
+    sd_image_t init_image;
+    sd_image_t* ref_images;
+    int ref_images_count;
+    sd_image_t mask_image;
     int width;
     int height;
     sd_sample_params_t sample_params;
+    float strength;
     int64_t seed;
     int batch_count;
     sd_tiling_params_t vae_tiling_params;

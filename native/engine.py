@@ -19,7 +19,7 @@ from typing import Any
 
 from PIL import Image
 
-from sdfarm.native import logs, memory
+from sdfarm.native import images, logs, memory
 from sdfarm.native.devices import (
     Device,
     HostFigures,
@@ -30,6 +30,7 @@ from sdfarm.native.devices import (
 from sdfarm.native.errors import (
     EnginePoisonedError,
     GenerationError,
+    InvalidParameterError,
     ModelLoadError,
     ModelTooLargeError,
 )
@@ -222,7 +223,9 @@ class Engine:
             s = ffi.new("char[]", str(mf.path).encode())
             keep.append(s)
             setattr(p, ROLE_PARAMS[role], s)
-        p.vae_decode_only = True
+        # The encoder too when the model has one (img2img, inpainting); its weights are in the
+        # model's files, which the estimate counts whole.
+        p.vae_decode_only = not self.model.can_encode
         p.free_params_immediately = False
         p.n_threads = self._threads
         p.diffusion_flash_attn = True
@@ -259,6 +262,7 @@ class Engine:
         g.clip_skip = params.clip_skip
         g.sample_params.sample_steps = params.steps
         g.sample_params.guidance.txt_cfg = params.cfg_scale
+        keep = self._set_images(g, params)
         if params.sampler != "default":
             g.sample_params.sample_method = _enum_index(
                 lib.sd_sample_method_name, params.sampler, lib.SAMPLE_METHOD_COUNT, ffi
@@ -269,6 +273,7 @@ class Engine:
             )
         self.last_call = self._read_back(g)
         lib.sdf_progress_reset()
+        assert keep is not None  # the input pixels live until the call returns
         done = threading.Event()
         watcher = None
         if progress is not None:
@@ -303,6 +308,37 @@ class Engine:
             lib.free(out)
         return images
 
+    def _set_images(self, g: Any, params: GenerationParams) -> list[Any]:
+        """Put the job's input images into the call as the runtime reads them (8-bit RGB, a
+        mask single-channel, init and mask at the job's size); returns the buffers, which must
+        live until the call returns. A resize is noted for the job's warnings."""
+        ffi = self._ffi
+        keep: list[Any] = []
+        self._input_notes = []
+
+        def image(data: bytes, size: tuple[int, int] | None, mask: bool, what: str) -> Any:
+            w, h = size or _image_size(data)
+            raw, resized = images.pixels(data, w, h, mask)
+            if resized:
+                self._input_notes.append(f"{what} was resized to {w}x{h}, the job's size")
+            buf = ffi.new("uint8_t[]", raw)
+            keep.append(buf)
+            return {"width": w, "height": h, "channel": 1 if mask else 3, "data": buf}
+
+        size = (params.width, params.height)
+        if params.init_image is not None:
+            g.init_image = image(params.init_image, size, False, "init_image")
+            g.strength = params.strength
+        if params.mask_image is not None:
+            g.mask_image = image(params.mask_image, size, True, "mask_image")
+        if params.ref_images:
+            refs = ffi.new("sd_image_t[]", len(params.ref_images))
+            for i, data in enumerate(params.ref_images):
+                refs[i] = image(data, None, False, f"ref_images[{i}]")
+            keep.append(refs)
+            g.ref_images, g.ref_images_count = refs, len(params.ref_images)
+        return keep
+
     def _read_back(self, g: Any) -> dict[str, Any]:
         """Every job parameter as the native call receives it, read back from its struct (a
         test walks each parameter through every door to here)."""
@@ -324,6 +360,10 @@ class Engine:
             "scheduler": name(lib.sd_scheduler_name, sp.scheduler, lib.SCHEDULER_COUNT),
             "batch_count": g.batch_count,
             "clip_skip": g.clip_skip,
+            "init_image": _shape(g.init_image, ffi),
+            "strength": g.strength,
+            "mask_image": _shape(g.mask_image, ffi),
+            "ref_images": [_shape(g.ref_images[i], ffi) for i in range(g.ref_images_count)],
         }
 
     def _watch_progress(
@@ -369,7 +409,15 @@ class Engine:
             raise TypeError("pass GenerationParams or keyword arguments, not both")
         self._check_usable()
         params = validate(params)
-        size_estimate = estimate or self.estimate_for(params.width, params.height)
+        if params.encodes and not self.model.can_encode:
+            raise InvalidParameterError(
+                "init_image",
+                f"model {self.model.name!r} cannot encode an image (img2img, inpainting): its "
+                "VAE or TAESD has no encoder, only a decoder",
+            )
+        size_estimate = estimate or self.estimate_for(
+            params.width, params.height, params.encodes
+        )
         limit = self._verdict.refuse_figure
         if self._verdict.action != "skip" and limit is not None and size_estimate > limit:
             raise ModelTooLargeError(
@@ -404,7 +452,7 @@ class Engine:
                 + (": " + "; ".join(errors) if errors else " and logged no error"),
                 records=errors,
             )
-        warnings = [r.message for r in raw if r.level == "warn"]
+        warnings = [r.message for r in raw if r.level == "warn"] + self._input_notes
         if self._verdict.action == "warn":
             warnings.insert(0, self._verdict.message)
         metadata = {
@@ -421,9 +469,9 @@ class Engine:
         }
         return GenerationResult(images, params, metadata, records)
 
-    def estimate_for(self, width: int, height: int) -> int:
+    def estimate_for(self, width: int, height: int, encodes: bool = False) -> int:
         """This engine's estimate of a width x height job (`ModelFacts.estimate`)."""
-        return self.facts.estimate(width, height)
+        return self.facts.estimate(width, height, encodes)
 
     def drain_load_records(self) -> list[logs.LogRecord]:
         """Records of the load (and warm-up), once."""
@@ -476,6 +524,18 @@ class Engine:
         out = logs.visible(self._pending + raw, cfg.level, cfg.native)
         self._pending = []
         return out
+
+
+def _shape(img: Any, ffi: Any) -> str | None:
+    """An sd_image_t as the native call sees it: "WxHxC", or None without pixels."""
+    return None if img.data == ffi.NULL else f"{img.width}x{img.height}x{img.channel}"
+
+
+def _image_size(data: bytes) -> tuple[int, int]:
+    import io
+
+    with Image.open(io.BytesIO(data), formats=images.FORMATS) as im:
+        return im.size
 
 
 def _fallback_device(figs: HostFigures) -> Device:

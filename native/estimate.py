@@ -10,8 +10,8 @@ from its own facts.
 
 The terms: the seed's rule (model files + a quarter + 512 MiB), growth with the pixels above
 the model's native size, and the decode's working memory per output pixel where the engine
-decodes without direct convolution (the full VAE through im2col on CUDA). Later terms (the
-extra files of a LoRA or a ControlNet) join here.
+decodes without direct convolution (the full VAE through im2col on CUDA), twice when an input
+image is encoded first. Later terms (the extra files of a LoRA or a ControlNet) join here.
 """
 
 from __future__ import annotations
@@ -34,11 +34,14 @@ class ModelFacts:
     native_size: tuple[int, int]
     decode_per_pixel: int = 0
 
-    def estimate(self, width: int, height: int) -> int:
-        """The peak memory estimate of this model generating width x height images."""
+    def estimate(self, width: int, height: int, encodes: bool = False) -> int:
+        """The peak memory estimate of this model generating width x height images; an image
+        to encode first (img2img, inpainting) adds the encoder's working memory, which is the
+        decoder's per pixel (the same convolutions run the other way)."""
         nw, nh = self.native_size
+        per_pixel = self.decode_per_pixel * (2 if encodes else 1)
         return memory.estimate_bytes(
-            self.bytes, int(width), int(height), nw * nh, decode_per_pixel=self.decode_per_pixel
+            self.bytes, int(width), int(height), nw * nh, decode_per_pixel=per_pixel
         )
 
     def resident(self) -> int:

@@ -94,6 +94,21 @@ class Model:
                 pairs.setdefault(p, "<model dir>")
         return dict(sorted(pairs.items(), key=lambda kv: -len(kv[0])))
 
+    @property
+    def can_encode(self) -> bool:
+        """Whether the model can turn an image into latents (img2img, inpainting need it):
+        the TAESD when it has one (the runtime then encodes and decodes with it), else the
+        VAE or the checkpoint's VAE, must hold an encoder; a decoder-only TAESD cannot."""
+        for role, prefixes in (
+            ("taesd", ("encoder.layers.", "tae.encoder.")),
+            ("vae", ("encoder.", "first_stage_model.encoder.", "vae.encoder.")),
+            ("checkpoint", ("first_stage_model.encoder.", "vae.encoder.")),
+        ):
+            mf = self.files.get(role)
+            if mf is not None:
+                return any(n.startswith(prefixes) for n in mf.header.tensors)
+        return False
+
     def ctx_paths(self) -> dict[str, str]:
         """{sd_ctx_params_t field: path} for the runtime, e.g. {"llm_path": "/m/llm.gguf"}."""
         return {ROLE_PARAMS[role]: str(mf.path) for role, mf in self.files.items()}

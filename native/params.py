@@ -22,11 +22,13 @@ of the grid crashes.
 from __future__ import annotations
 
 import math
+import os
 import secrets
 from collections.abc import Mapping
 from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from typing import Any
 
+from sdfarm.native import images
 from sdfarm.native.errors import InvalidParameterError
 from sdfarm.native.logs import LEVELS
 
@@ -117,12 +119,14 @@ PROMPT_LIMIT_WHY = (
 )
 MAX_SEED = 2**63 - 1
 RANDOM_SEED = -1
+MAX_REF_IMAGES = 4
 
 
 @dataclass(frozen=True)
 class Param:
-    """How one parameter is typed, bounded and explained. `kind` is text, int, float, bool
-    or choice; `lo`..`hi` bound numbers (`unit` names them in errors); `step` is a multiple
+    """How one parameter is typed, bounded and explained. `kind` is text, int, float, bool,
+    choice, image (PNG/JPEG/WebP bytes, sdfarm.native.images) or images (a list of them, at
+    most `hi`); `lo`..`hi` bound numbers (`unit` names them in errors); `step` is a multiple
     ints must be; `choices` lists a choice's values; `auto` is a value outside the range that
     means "pick one" (seed -1). Text is bounded by `max_chars` characters and `max_bytes`
     UTF-8 bytes; `limit_why` says why, in the error."""
@@ -147,7 +151,15 @@ class Param:
 
     @property
     def python_type(self) -> type:
-        return {"text": str, "choice": str, "int": int, "float": float, "bool": bool}[self.kind]
+        return {
+            "text": str,
+            "choice": str,
+            "int": int,
+            "float": float,
+            "bool": bool,
+            "image": bytes,
+            "images": bytes,
+        }[self.kind]
 
     @property
     def range_text(self) -> str:
@@ -156,6 +168,12 @@ class Param:
             return "one of " + ", ".join(self.choices)
         if self.kind == "bool":
             return "true or false"
+        if self.kind in ("image", "images"):
+            one = (
+                f"a PNG, JPEG or WebP image of at most {images.MAX_IMAGE_BYTES // 2**20} MiB "
+                f"and {images.MAX_IMAGE_SIDE} pixels a side"
+            )
+            return one if self.kind == "image" else f"up to {_num(self.hi)} images, each {one}"
         if self.lo is None:
             return f"at most {self.max_chars} characters" if self.max_chars else "text"
         text = f"{_num(self.lo)}..{_num(self.hi)}{self.unit}"
@@ -170,6 +188,16 @@ class Param:
         naming the parameter and its range otherwise."""
         if self.kind == "text":
             return _text(self.name, value, self.max_chars, self.max_bytes, self.limit_why)
+        if self.kind == "image":
+            return None if value is None else images.check_image(self.name, value)
+        if self.kind == "images":
+            if not isinstance(value, list | tuple):
+                raise InvalidParameterError(self.name, f"must be a list of images, got {value!r}")
+            if len(value) > self.hi:  # type: ignore[operator]
+                raise InvalidParameterError(
+                    self.name, f"has {len(value)} images, at most {_num(self.hi)}"
+                )
+            return tuple(images.check_image(f"{self.name}[{i}]", v) for i, v in enumerate(value))
         if self.kind == "bool":
             if not isinstance(value, bool):
                 raise InvalidParameterError(self.name, f"must be true or false, got {value!r}")
@@ -241,9 +269,36 @@ class GenerationParams:
         "int", 1, "images of one job (seeds seed, seed+1, ...)", lo=1, hi=MAX_BATCH
     )
     clip_skip: int = param("int", -1, "CLIP layers to skip (-1: the model's own)", lo=-1, hi=12)
+    init_image: bytes | None = param(
+        "image", None, "an image to start from (img2img); with a mask, the image to inpaint"
+    )
+    strength: float = param(
+        "float", 0.75, "how much of the init image is redrawn: 0 keeps it, 1 ignores it",
+        lo=0.0, hi=1.0,
+    )  # fmt: skip
+    mask_image: bytes | None = param(
+        "image", None, "inpainting: white where the init image is redrawn, black where kept"
+    )
+    ref_images: tuple[bytes, ...] = param(
+        "images", (), "reference images for edit models (Flux Kontext, Qwen-Image-Edit)",
+        hi=MAX_REF_IMAGES,
+    )  # fmt: skip
 
     def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """The parameters as JSON-ready values: each input image by its digest."""
+        out = asdict(self)
+        for p in IMAGE_PARAMS:
+            value = out[p.name]
+            if p.kind == "image":
+                out[p.name] = None if value is None else images.digest(value)
+            else:
+                out[p.name] = [images.digest(v) for v in value]
+        return out
+
+    @property
+    def encodes(self) -> bool:
+        """Whether the engine encodes an image into latents (img2img, inpainting)."""
+        return self.init_image is not None
 
 
 @dataclass(frozen=True)
@@ -279,6 +334,7 @@ def _params_of(cls: type) -> tuple[Param, ...]:
 
 PARAMS: tuple[Param, ...] = _params_of(GenerationParams)
 """Every generation parameter of a job, in order: what each door derives its fields from."""
+IMAGE_PARAMS: tuple[Param, ...] = tuple(p for p in PARAMS if p.kind in ("image", "images"))
 OPTIONS: tuple[Param, ...] = _params_of(JobOptions)
 """Every option of a job (JobOptions), for the doors that take them."""
 OPTION_NAMES: tuple[str, ...] = tuple(p.name for p in OPTIONS)
@@ -367,6 +423,10 @@ def validate(params: GenerationParams) -> GenerationParams:
             f"scheduler {checked['scheduler']} needs at least {least} steps, got "
             f"{checked['steps']}: {why}; use {least} or more steps, or another scheduler",
         )
+    if checked["mask_image"] is not None and checked["init_image"] is None:
+        raise InvalidParameterError(
+            "mask_image", "needs an init_image: the mask says which part of it is redrawn"
+        )
     if checked["seed"] == RANDOM_SEED:
         checked["seed"] = secrets.randbelow(2**31)
     return replace(params, **checked)
@@ -375,3 +435,68 @@ def validate(params: GenerationParams) -> GenerationParams:
 def check_options(options: JobOptions) -> JobOptions:
     """A checked copy of `options`, or InvalidParameterError naming the bad option."""
     return replace(options, **{p.name: p.check(getattr(options, p.name)) for p in OPTIONS})
+
+
+def detach_images(params: GenerationParams) -> tuple[dict[str, Any], dict[str, bytes]]:
+    """(the parameters with each image named by its digest, {input name: image bytes}): how a
+    job travels, its images beside its parameters. A list parameter's images are named
+    `{name}:{i}`."""
+    inputs: dict[str, bytes] = {}
+    for p in IMAGE_PARAMS:
+        value = getattr(params, p.name)
+        if p.kind == "image" and value is not None:
+            inputs[p.name] = value
+        elif p.kind == "images":
+            inputs.update({f"{p.name}:{i}": v for i, v in enumerate(value)})
+    return params.as_dict(), inputs
+
+
+def attach_images(values: dict[str, Any], inputs: dict[str, bytes]) -> dict[str, Any]:
+    """The parameters of `detach_images` with each digest replaced by its image, which must
+    match it; InvalidParameterError when an image is missing or does not match."""
+    out = dict(values)
+    for p in IMAGE_PARAMS:
+        value = out.get(p.name)
+        if p.kind == "image" and value is not None:
+            out[p.name] = _attached(p.name, value, inputs.get(p.name))
+        elif p.kind == "images" and value:
+            out[p.name] = tuple(
+                _attached(f"{p.name}[{i}]", v, inputs.get(f"{p.name}:{i}"))
+                for i, v in enumerate(value)
+            )
+    return out
+
+
+def _attached(name: str, want: Any, data: bytes | None) -> bytes:
+    if data is None:
+        raise InvalidParameterError(name, "its image did not arrive with the job (expired?)")
+    if images.digest(data) != want:
+        raise InvalidParameterError(name, f"the image that arrived is not {want}")
+    return data
+
+
+def read_image_files(values: dict[str, Any]) -> dict[str, Any]:
+    """`values` with each input image given as a file path (str or os.PathLike) read into its
+    bytes: the doors that take paths (the CLI, a batch file, a Python caller) go through here;
+    an unreadable file is an InvalidParameterError naming the parameter."""
+    out = dict(values)
+    for p in IMAGE_PARAMS:
+        value = out.get(p.name)
+        if p.kind == "image" and isinstance(value, str | os.PathLike):
+            out[p.name] = _read(p.name, value)
+        elif p.kind == "images" and isinstance(value, list | tuple):
+            out[p.name] = [
+                _read(f"{p.name}[{i}]", v) if isinstance(v, str | os.PathLike) else v
+                for i, v in enumerate(value)
+            ]
+    return out
+
+
+def _read(name: str, path: str | os.PathLike[str]) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read(images.MAX_IMAGE_BYTES + 1)
+    except OSError as exc:
+        raise InvalidParameterError(
+            name, f"cannot read {os.fspath(path)!r}: {exc.strerror or exc}"
+        ) from None

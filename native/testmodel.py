@@ -3,9 +3,9 @@
 No weights can be downloaded on the machines that test sdfarm, so the end-to-end tests and
 `sdfarm make-test-model DIR` build one: a Flux-style DiT (one double and one single block,
 hidden 128), a one-layer Qwen3 text encoder (vocabulary kept at 151936 to cover the runtime's
-built-in tokenizer) and a TAESD decoder for 16-channel latents. The runtime infers every size
-from the tensor shapes, listed in `data/ovis-tiny-tensors.json` (PyTorch order, names without
-sd.cpp's per-role prefixes).
+built-in tokenizer) and a TAESD (decoder and encoder) for 16-channel latents. The runtime
+infers every size from the tensor shapes, listed in `data/ovis-tiny-tensors.json` (PyTorch
+order, names without sd.cpp's per-role prefixes; the encoder's are `tae_encoder_specs`).
 
 Two folders are written, both loadable as models (`Model.from_dir`):
 - `tiny-f16/`: safetensors, 2-D and larger tensors f16, 1-D f32;
@@ -42,9 +42,41 @@ VARIANTS = ("tiny-f16", "tiny-q8_0")
 
 
 def tensor_specs() -> dict[str, dict[str, tuple[int, ...]]]:
-    """{component: {tensor name: shape}} from the shipped JSON, names sorted."""
+    """{component: {tensor name: shape}} from the shipped JSON plus the TAESD's encoder, names
+    sorted."""
     doc = json.loads(TENSORS_JSON.read_text(encoding="utf-8"))
+    doc["tae"] = {**doc["tae"], **tae_encoder_specs()}
     return {part: {n: tuple(doc[part][n]) for n in sorted(doc[part])} for part in PARTS}
+
+
+def tae_encoder_specs(
+    z_channels: int = 16, channels: int = 64, blocks: int = 3
+) -> dict[str, tuple[int, ...]]:
+    """The TAESD encoder the runtime builds for a 16-channel-latent model (TinyEncoder in
+    src/tae.hpp of master-596): a conv from RGB, a block, then three stride-2 convs each
+    followed by `blocks` residual blocks of three convs, and a conv to the latent channels.
+    With it the tiny model can encode an image (img2img, inpainting)."""
+    out: dict[str, tuple[int, ...]] = {}
+
+    def conv(index: str, cin: int, cout: int, bias: bool = True) -> None:
+        out[f"encoder.layers.{index}.weight"] = (cout, cin, 3, 3)
+        if bias:
+            out[f"encoder.layers.{index}.bias"] = (cout,)
+
+    def block(index: int) -> None:
+        for j in (0, 2, 4):
+            conv(f"{index}.conv.{j}", channels, channels)
+
+    conv("0", 3, channels)
+    block(1)
+    index = 2
+    for _ in range(3):
+        conv(str(index), channels, channels, bias=False)
+        for i in range(index + 1, index + 1 + blocks):
+            block(i)
+        index += 1 + blocks
+    conv(str(index), channels, z_channels)
+    return out
 
 
 def init_weight(part: str, name: str, shape: tuple[int, ...]) -> np.ndarray:

@@ -72,6 +72,10 @@ class DispatchConfig:
             raise ValueError(f"queue limit must be at least 1, got {self.queue_limit}")
 
 
+Shape = tuple[str, int, int, bool]
+"""(model, width, height, encodes an input image)."""
+
+
 @dataclass(frozen=True)
 class PendingJob:
     """What the scheduler keeps of a queued job between cycles (none of it ever changes)."""
@@ -83,6 +87,12 @@ class PendingJob:
     created: float
     width: int
     height: int
+    encodes: bool = False
+
+    @property
+    def shape(self) -> Shape:
+        """What the job's estimate depends on: jobs of one shape share it."""
+        return (self.model, self.width, self.height, self.encodes)
 
 
 class Outbox(Protocol):
@@ -322,11 +332,12 @@ class Dispatcher:
             return stats
         devices = {d.key: d for d in snap.devices}
         now = self.clock()
-        estimates: dict[tuple[str, int, int], int] = {}
-        groups: dict[tuple[str, int, int], list[PendingJob]] = {}
+        estimates: dict[Shape, int] = {}
+        groups: dict[Shape, list[PendingJob]] = {}
         for job in jobs:
-            groups.setdefault((job.model, job.width, job.height), []).append(job)
-        for (model, width, height), group in groups.items():
+            groups.setdefault(job.shape, []).append(job)
+        for shape, group in groups.items():
+            model = shape[0]
             facts = snap.model_facts(model)
             if facts is None:
                 if snap.heartbeats and self._unknown_expired(model):
@@ -334,7 +345,7 @@ class Dispatcher:
                     stats["refused"] += sum(self._fail(j, error, (), 0) for j in group)
                 continue
             self._missing_since.pop(model, None)
-            estimate = facts.estimate(width, height)
+            estimate = facts.estimate(*shape[1:])
             outcome = placement.place(
                 placement.JobRequest(model, estimate), list(devices.values()), now
             )
@@ -342,19 +353,19 @@ class Dispatcher:
                 fail = [self._fail(j, outcome.reason, outcome.figures, estimate) for j in group]
                 stats["refused"] += sum(fail)
             else:
-                estimates[(model, width, height)] = estimate
+                estimates[shape] = estimate
         if not _room(devices):
             return stats
         by_id = {j.job_id: j for j in jobs}
         pending = [
             fairness.Pending(j.job_id, j.priority, j.submitter, j.created, i)
             for i, j in enumerate(jobs)
-            if (j.model, j.width, j.height) in estimates
+            if j.shape in estimates
         ]
         waits: set[tuple[str, int]] = set()
         for p in fairness.iter_order(pending, snap.running_by_submitter()):
             job = by_id[p.job_id]
-            estimate = estimates[(job.model, job.width, job.height)]
+            estimate = estimates[job.shape]
             if (job.model, estimate) in waits:
                 continue
             request = placement.JobRequest(job.model, estimate, job.priority, job.submitter)
@@ -466,10 +477,13 @@ def _pending_job(job_id: str, priority: int, values: list[Any]) -> PendingJob | 
     try:
         params = json.loads(spec).get("params") or {}
         width, height = int(params.get("width", 256)), int(params.get("height", 256))
+        encodes = params.get("init_image") is not None
     except (ValueError, TypeError, AttributeError):
-        width = height = 256
+        width, height, encodes = 256, 256, False
     try:
         created_at = float(created or 0)
     except ValueError:
         created_at = 0.0
-    return PendingJob(job_id, model, priority, submitter or "anonymous", created_at, width, height)
+    return PendingJob(
+        job_id, model, priority, submitter or "anonymous", created_at, width, height, encodes
+    )

@@ -24,7 +24,13 @@ from sdfarm.native import logs
 from sdfarm.native.engine import LogConfig
 from sdfarm.native.errors import EngineError, InvalidParameterError, ModelTooLargeError
 from sdfarm.native.estimate import model_facts
-from sdfarm.native.params import GenerationParams, from_mapping, validate
+from sdfarm.native.params import (
+    IMAGE_PARAMS,
+    GenerationParams,
+    attach_images,
+    from_mapping,
+    validate,
+)
 from sdfarm.store import Claim, JobSpec
 from sdfarm.store.retry import retry_transient
 from sdfarm.worker import hooks
@@ -108,12 +114,12 @@ class JobRun:
             self.meta["model"] = spec.model
             self.level = spec.log_level
             self.log_prompts = spec.log_prompts
-            params = validate(from_mapping(spec.params))
+            params = validate(from_mapping(self._with_inputs(spec.params)))
             model = self.ctx.catalog.load(spec.model)
             facts = model_facts(model, self.ctx.config.device)
             # The job's estimate as the scheduler placed it (sdfarm.native.estimate): the
             # cache makes room for it and the engine checks it, so all three agree.
-            need = claimed.estimate or facts.estimate(params.width, params.height)
+            need = claimed.estimate or facts.estimate(params.width, params.height, params.encodes)
             engine = self.ctx.request_engine(spec.model, model, facts.resident(), self.job_id, need)
         except EngineError as exc:
             self._fail(str(exc), _error_records(exc), self._refusal_fields(exc))
@@ -176,6 +182,13 @@ class JobRun:
                 png_params=[{**meta, "seed": s} for s in meta["seeds"]],
             )
         )
+
+    def _with_inputs(self, params: dict[str, Any]) -> dict[str, Any]:
+        """The job's parameters with its input images read from the store (they travel beside
+        the parameters, which name each by its digest)."""
+        if not any(params.get(p.name) for p in IMAGE_PARAMS):
+            return params
+        return attach_images(params, retry_transient(lambda: self.store.inputs(self.job_id)))
 
     # -- progress and cancel -----------------------------------------------------------------
 

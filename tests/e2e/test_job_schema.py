@@ -1,8 +1,9 @@
-"""One job schema, every door: each generation parameter, set to a value that is not its
-default, goes in through the CLI's flags (in-process and on a farm), a JSONL and a CSV batch
-line, `Farm.submit`, the gateway's jobs JSON and its OpenAI body, and comes out in the metadata
-the engine wrote and in the PNG's text chunk. In-process, the engine's native call is read back
-from the runtime's own struct, so each parameter is shown to reach stable-diffusion.cpp.
+"""One job schema, every door: each generation parameter (the input images included), set to
+a value that is not its default, goes in through the CLI's flags (in-process and on a farm), a
+JSONL and a CSV batch line, `Farm.submit`, the gateway's jobs JSON and its OpenAI body, and
+comes out in the metadata the engine wrote and in the PNG's text chunk (an image by its
+digest). In-process, the engine's native call is read back from the runtime's own struct, so
+each parameter is shown to reach stable-diffusion.cpp.
 
 VALUES must name every field of GenerationParams: a new parameter fails here until it is given
 a value, and then it is walked through every door with the others.
@@ -25,7 +26,8 @@ import pytest
 
 from sdfarm.client.farm import Farm
 from sdfarm.native.engine import Engine
-from sdfarm.native.params import NAMES, PARAMS, GenerationParams
+from sdfarm.native.images import digest
+from sdfarm.native.params import IMAGE_PARAMS, NAMES, PARAMS, GenerationParams
 from sdfarm.native.png import read_params
 
 from helpers.gateway import cpu_farm, served_gateway
@@ -33,6 +35,20 @@ from helpers.gateway import cpu_farm, served_gateway
 pytestmark = pytest.mark.e2e
 
 MODEL = "tiny-f16"
+
+
+def _png(seed: int, size: tuple[int, int], mode: str = "RGB") -> bytes:
+    import numpy as np
+    from PIL import Image
+
+    channels = 3 if mode == "RGB" else 1
+    rng = np.random.default_rng(seed)
+    pixels = rng.integers(0, 256, (size[1], size[0], channels), dtype=np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(pixels.squeeze(), mode).save(buf, "PNG")
+    return buf.getvalue()
+
+
 VALUES: dict[str, Any] = {
     "prompt": "a schema walking through every door",
     "negative_prompt": "blurry, low quality",
@@ -45,7 +61,32 @@ VALUES: dict[str, Any] = {
     "scheduler": "karras",
     "batch_count": 2,
     "clip_skip": 2,
+    "init_image": _png(1, (72, 64)),
+    "strength": 0.25,
+    "mask_image": _png(2, (72, 64), "L"),
+    "ref_images": (_png(3, (48, 40)),),
 }
+IMAGES = {p.name: p.kind for p in IMAGE_PARAMS}
+
+
+def recorded(name: str) -> Any:
+    """What the metadata and the PNG chunk record for VALUES[name]: an image by its digest."""
+    value = VALUES[name]
+    if IMAGES.get(name) == "image":
+        return digest(value)
+    if IMAGES.get(name) == "images":
+        return [digest(v) for v in value]
+    return value
+
+
+def as_json(name: str) -> Any:
+    """VALUES[name] as a JSON body carries it: an image base64."""
+    value = VALUES[name]
+    if IMAGES.get(name) == "image":
+        return base64.b64encode(value).decode()
+    if IMAGES.get(name) == "images":
+        return [base64.b64encode(v).decode() for v in value]
+    return value
 
 
 def test_every_parameter_has_a_value_that_is_not_its_default() -> None:
@@ -58,9 +99,10 @@ def test_every_parameter_has_a_value_that_is_not_its_default() -> None:
 def assert_recorded(meta: dict[str, Any], png: bytes, door: str) -> None:
     """The engine's metadata and the first PNG's text chunk carry every parameter."""
     chunk = read_params(png)
-    for name, value in VALUES.items():
-        assert meta[name] == value, f"{door}: metadata {name}={meta[name]!r}, sent {value!r}"
-        assert chunk[name] == value, f"{door}: PNG chunk {name}={chunk[name]!r}, sent {value!r}"
+    for name in VALUES:
+        want = recorded(name)
+        assert meta[name] == want, f"{door}: metadata {name}={meta[name]!r}, sent {want!r}"
+        assert chunk[name] == want, f"{door}: PNG chunk {name}={chunk[name]!r}, sent {want!r}"
     assert meta["seeds"] == [VALUES["seed"], VALUES["seed"] + 1], door
 
 
@@ -73,11 +115,29 @@ def sdfarm(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def flags() -> list[str]:
+def image_files(folder: Path) -> dict[str, Any]:
+    """VALUES's images written as files in `folder`: {name: file name, or names}."""
+    out: dict[str, Any] = {}
+    for name, kind in IMAGES.items():
+        values = VALUES[name] if kind == "images" else [VALUES[name]]
+        names = []
+        for i, data in enumerate(values):
+            (folder / f"{name}-{i}.png").write_bytes(data)
+            names.append(f"{name}-{i}.png")
+        out[name] = names if kind == "images" else names[0]
+    return out
+
+
+def flags(folder: Path) -> list[str]:
+    files = image_files(folder)
     out = []
     for name, value in VALUES.items():
-        if name != "prompt":
-            out += ["--" + name.replace("_", "-"), str(value)]
+        flag = "--" + name.replace("_", "-")
+        if name in IMAGES:
+            for f in files[name] if IMAGES[name] == "images" else [files[name]]:
+                out += [flag, str(folder / f)]
+        elif name != "prompt":
+            out += [flag, str(value)]
     return out
 
 
@@ -97,12 +157,17 @@ def test_in_process_the_native_call_receives_every_parameter(models_dir: Path) -
     with Engine.load(models_dir / MODEL, threads=1) as engine:
         result = engine.generate(GenerationParams(**VALUES))
         received = engine.last_call
+    shapes = {
+        "init_image": "72x64x3",  # the job's size, RGB
+        "mask_image": "72x64x1",  # one channel
+        "ref_images": ["48x40x3"],  # its own size
+    }
     for name, value in VALUES.items():
-        assert (
-            received[name] == pytest.approx(value)
-            if isinstance(value, float)
-            else (received[name] == value)
-        ), f"the runtime's struct has {name}={received[name]!r}, sent {value!r}"
+        want = shapes.get(name, value)
+        got = received[name]
+        assert got == pytest.approx(want) if isinstance(want, float) else got == want, (
+            f"the runtime's struct has {name}={got!r}, sent {want!r}"
+        )
     assert len(result.images) == VALUES["batch_count"]
     assert result.image.size == (VALUES["width"], VALUES["height"])
 
@@ -110,26 +175,28 @@ def test_in_process_the_native_call_receives_every_parameter(models_dir: Path) -
 def test_cli_flags_in_process(models_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "in-process.png"
     done = sdfarm("generate", VALUES["prompt"], "--in-process", "--model", str(models_dir / MODEL),
-                  *flags(), "--threads", "1", "-o", str(out), "--json")  # fmt: skip
+                  *flags(tmp_path), "--threads", "1", "-o", str(out), "--json")  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert_recorded(json.loads(done.stdout), out.read_bytes(), "generate --in-process")
 
 
 def test_cli_flags_on_a_farm(farm: Any, tmp_path: Path) -> None:
     out = tmp_path / "farm.png"
-    done = sdfarm("generate", VALUES["prompt"], "--model", MODEL, *flags(), "--redis", farm.url,
-                  "-o", str(out), "--json")  # fmt: skip
+    done = sdfarm("generate", VALUES["prompt"], "--model", MODEL, *flags(tmp_path),
+                  "--redis", farm.url, "-o", str(out), "--json")  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert_recorded(json.loads(done.stdout), out.read_bytes(), "generate on a farm")
 
 
 def test_batch_jsonl_and_csv_lines(farm: Any, tmp_path: Path) -> None:
+    files = image_files(tmp_path)  # paths in a batch file are relative to its folder
+    line = {**VALUES, **files}
     jsonl = tmp_path / "items.jsonl"
-    jsonl.write_text(json.dumps({"name": "from-jsonl", **VALUES}) + "\n")
+    jsonl.write_text(json.dumps({"name": "from-jsonl", **line}) + "\n")
     buf = io.StringIO()
     writer = csv.DictWriter(buf, fieldnames=["name", *VALUES])
     writer.writeheader()
-    writer.writerow({"name": "from-csv", **VALUES})
+    writer.writerow({"name": "from-csv", **line, "ref_images": ";".join(files["ref_images"])})
     table = tmp_path / "items.csv"
     table.write_text(buf.getvalue())
     for items in (jsonl, table):
@@ -149,12 +216,13 @@ def test_farm_submit(client: Farm) -> None:
 
 def test_gateway_jobs_json_and_openai_body(farm: Any, client: Farm) -> None:
     with served_gateway(farm.url, [], 120) as base:
-        created = httpx.post(f"{base}/v1/jobs", json={"model": MODEL, **VALUES}, timeout=30)
+        sent = {k: as_json(k) for k in VALUES}
+        created = httpx.post(f"{base}/v1/jobs", json={"model": MODEL, **sent}, timeout=30)
         assert created.status_code == 202, created.text
         result = client.job(created.json()["id"]).result(120)
         assert_recorded(result.metadata, result.png, "POST /v1/jobs")
 
-        others = {k: v for k, v in VALUES.items() if k not in ("width", "height", "batch_count")}
+        others = {k: v for k, v in sent.items() if k not in ("width", "height", "batch_count")}
         body = {"model": MODEL, **others, "size": f"{VALUES['width']}x{VALUES['height']}",
                 "n": VALUES["batch_count"], "response_format": "b64_json"}  # fmt: skip
         answered = httpx.post(f"{base}/v1/images/generations", json=body, timeout=120)

@@ -15,6 +15,7 @@ import httpx
 import openai
 import pytest
 
+from sdfarm.gateway.bodylimit import MAX_BODY
 from sdfarm.native.params import MAX_BATCH, MAX_SIZE
 from sdfarm.store import Store
 
@@ -121,7 +122,7 @@ def test_raw_error_shapes(http: httpx.Client, gateway: str) -> None:
     assert r.status_code == 404 and e["param"] == "model"
     e = _error(r := httpx.post(f"{gateway}/v1/images/generations", json=body))
     assert r.status_code == 401 and e["type"] == "authentication_error"
-    e = _error(r := http.post("/v1/jobs", json={**body, "prompt": "x" * (65 * 1024)}))
+    e = _error(r := http.post("/v1/jobs", json={**body, "prompt": "x" * (MAX_BODY + 1)}))
     assert r.status_code == 413
     e = _error(r := http.post("/v1/jobs", json={"model": MODEL, "prompt": "x", "width": 60}))
     assert r.status_code == 400 and e["param"] == "width"

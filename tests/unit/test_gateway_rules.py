@@ -12,6 +12,7 @@ from fastapi.testclient import TestClient
 
 from sdfarm.client.farm import FarmBusyError, JobCancelled, JobFailed, UnknownModelError
 from sdfarm.gateway import create_app
+from sdfarm.gateway.bodylimit import MAX_BODY
 from sdfarm.gateway.cli import check_bind, collect_tokens, is_loopback
 from sdfarm.gateway.errors import APIError, _farm_error
 from sdfarm.gateway.schemas import ImagesRequest, JobRequest, parse_size
@@ -112,7 +113,7 @@ def test_no_token_configured_needs_none_and_farm_errors_keep_the_shape(
 
 def test_body_limit_counts_chunked_bodies(open_app: TestClient) -> None:
     def chunks() -> Iterator[bytes]:
-        for _ in range(80):
+        for _ in range(MAX_BODY // 1024 + 1):
             yield b"x" * 1024
 
     r = open_app.post("/v1/jobs", content=chunks(), headers={"content-type": "application/json"})

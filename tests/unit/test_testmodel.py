@@ -15,10 +15,30 @@ from safetensors.numpy import load_file
 from sdfarm.native.headers import validate_header
 from sdfarm.native.model import Model
 from sdfarm.native.roles import detect_role
-from sdfarm.native.testmodel import PARTS, TENSORS_JSON, init_weight, make_test_model
+from sdfarm.native.testmodel import (
+    PARTS,
+    TENSORS_JSON,
+    init_weight,
+    make_test_model,
+    tae_encoder_specs,
+    tensor_specs,
+)
 
 SHARED_JSON = Path(__file__).resolve().parents[3] / "shared" / "data" / "ovis-tiny-tensors.json"
-SPEC = json.loads(TENSORS_JSON.read_text())
+SPEC = {part: {n: list(s) for n, s in d.items()} for part, d in tensor_specs().items()}
+
+
+def test_the_taesd_gains_an_encoder_as_the_runtime_builds_it() -> None:
+    """The shipped tensors (the shared data) are the decoder's; the encoder follows
+    TinyEncoder of master-596: layers 0..14 (3 blocks after each of 3 stride-2 convs)."""
+    enc = tae_encoder_specs()
+    assert set(SPEC["tae"]) == set(json.loads(TENSORS_JSON.read_text())["tae"]) | set(enc)
+    layers = {int(n.split(".")[2]) for n in enc}
+    assert layers == set(range(15))
+    assert enc["encoder.layers.0.weight"] == (64, 3, 3, 3)
+    assert enc["encoder.layers.14.weight"] == (16, 64, 3, 3)
+    assert "encoder.layers.2.bias" not in enc  # the stride-2 convs have no bias
+    assert enc["encoder.layers.13.conv.4.weight"] == (64, 64, 3, 3)
 
 
 @pytest.fixture(scope="module")
@@ -129,8 +149,8 @@ def test_roles_from_headers_equal_manifest(model_dirs: list[Path]) -> None:
 def test_sizes(model_dirs: list[Path]) -> None:
     f16 = Model.from_dir(model_dirs[0]).total_bytes
     q8 = Model.from_dir(model_dirs[1]).total_bytes
-    assert 25_000_000 < f16 < 26_000_000  # measured 25.6 MB for a model that loads
-    assert 14_500_000 < q8 < 15_000_000  # measured 14.8 MB
+    assert 27_500_000 < f16 < 28_500_000  # measured 28.0 MB for a model that loads
+    assert 17_000_000 < q8 < 17_500_000  # measured 17.2 MB
 
 
 def test_idempotent(model_dirs: list[Path], tmp_path: Path) -> None:
