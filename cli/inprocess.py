@@ -12,8 +12,9 @@ from pathlib import Path
 from typing import Any
 
 from sdfarm.cli.options import given_params
-from sdfarm.native.catalog import resolve
+from sdfarm.native.catalog import model_dirs, resolve
 from sdfarm.native.engine import Engine, LogConfig
+from sdfarm.native.loras import LoraCatalog, lora_dirs
 from sdfarm.native.params import GenerationParams, from_mapping, read_image_files, validate
 from sdfarm.native.png import png_bytes
 
@@ -39,6 +40,9 @@ def generate_in_process(args: argparse.Namespace) -> dict[str, Any]:
     params = validate(params_from_args(args))
     log = LogConfig(level=args.log_level or "none", log_prompts=args.log_prompts)
     model = resolve(args.model, args.models)
+    folders = [*model_dirs(args.models), *([model.directory.parent] if model.directory else [])]
+    catalog = LoraCatalog(lora_dirs(dict.fromkeys(folders)))
+    loras = {name: catalog.load(name) for name, _ in params.loras}
     t0 = time.monotonic()
     engine = Engine.load(
         model,
@@ -50,7 +54,7 @@ def generate_in_process(args: argparse.Namespace) -> dict[str, Any]:
     load_s = time.monotonic() - t0
     records = engine.drain_load_records()
     try:
-        result = engine.generate(params, progress=_progress_printer(not args.json))
+        result = engine.generate(params, progress=_progress_printer(not args.json), loras=loras)
         if not args.json:
             print(file=sys.stderr)
         records += result.records

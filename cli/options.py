@@ -18,6 +18,15 @@ def _add(parser: argparse.ArgumentParser, p: Param, default: Any) -> None:
     if p.kind == "bool":
         parser.add_argument(flag(p), action="store_true", default=default, help=p.help)
         return
+    if p.kind == "loras":
+        parser.add_argument(
+            flag(p),
+            action="append",
+            default=None,
+            metavar="NAME[:WEIGHT]",
+            help=f"{p.help}: {p.range_text} (repeat the flag; a weight left out is 1)",
+        )
+        return
     if p.kind in ("image", "images"):  # a file path; the job schema reads and checks it
         parser.add_argument(
             flag(p),

@@ -24,6 +24,7 @@ the type each is converted to; the job schema checks their ranges when the item 
 An input image is a file path, relative to the batch file's folder (a list of them in JSONL,
 `;`-separated in CSV, for reference images); it is read when the item is queued."""
 IMAGE_FIELDS = {p.name: p.kind for p in PARAMS if p.kind in ("image", "images")}
+LIST_FIELDS = {p.name for p in PARAMS if p.kind == "loras"}
 FORMATS = ("text", "csv", "jsonl")
 SLUG_CHARS = 40
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
@@ -74,6 +75,10 @@ def _convert(name: str, value: Any, line: int) -> Any:
     kind = ITEM_FIELDS[name]
     if name in IMAGE_FIELDS:
         return _image_paths(name, value, line)
+    if name in LIST_FIELDS:  # a JSON list as it is, or `a:0.8;b` in a CSV cell
+        return (
+            [v.strip() for v in value.split(";") if v.strip()] if isinstance(value, str) else value
+        )
     if kind is str:
         if not isinstance(value, str):
             raise BatchInputError(f"line {line}: {name} must be text, got {value!r}")

@@ -44,6 +44,7 @@ from sdfarm.native.params import (
 from sdfarm.scheduler.registry import (
     DEFAULT_QUEUE_LIMIT,
     Registry,
+    farm_loras,
     farm_models,
     heartbeat_models,
     model_facts,
@@ -172,6 +173,7 @@ class Farm:
         if not isinstance(spec.model, str) or not spec.model:
             raise InvalidParameterError("model", "give a model name")
         self._check_model(spec.model)
+        self._check_loras([str(pair[0]) for pair in spec.params.get("loras") or []])
         job_id = new_job_id()  # the same id on every try: a retry never queues twice
         try:
             queued, depth, limit = self.retry(
@@ -192,6 +194,20 @@ class Farm:
             hbs = self._heartbeats(fresh=True)
             if hbs and model_facts(hbs, model) is None:
                 raise UnknownModelError(model, farm_models(hbs))
+
+    def _check_loras(self, names: list[str]) -> None:
+        """InvalidParameterError naming a LoRA no live worker has (after a fresh look)."""
+        if not names:
+            return
+        missing = [n for n in names if n not in farm_loras(self._heartbeats())]
+        if missing and self._heartbeats(fresh=True):
+            have = farm_loras(self._heartbeats())
+            missing = [n for n in names if n not in have]
+            if missing:
+                known = ", ".join(sorted(have)) or "none"
+                raise InvalidParameterError(
+                    "loras", f"unknown LoRA {missing[0]!r}; the farm has {known}"
+                )
 
     def job(self, job_id: str) -> Job:
         return Job(self, job_id)

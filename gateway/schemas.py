@@ -35,7 +35,7 @@ def schema_rules(p: Param) -> dict[str, Any]:
     """The JSON schema keywords of `p`'s allowed values (ranges, choices, lengths)."""
     if p.kind == "image":
         return {"contentEncoding": "base64"}
-    if p.kind == "images":
+    if p.kind in ("images", "loras"):
         return {"maxItems": int(p.hi or 0)}
     if p.kind == "choice":
         return {"enum": list(p.choices)}
@@ -61,6 +61,8 @@ def _field(p: Param, *, help: str | None = None, nullable: bool = False) -> Any:
         text = f"{help or p.help} ({p.range_text}; default: {DEFAULT_SUBMITTER})"
         return (p.python_type | None, Field(None, description=text, json_schema_extra=rules))
     text = f"{help or p.help} ({p.range_text})"
+    if p.kind == "loras":  # ["name:0.8", ...] or [["name", 0.8], ...] or [{"name", "weight"}]
+        return (list[Any], Field([], description=text, json_schema_extra=rules))
     if p.kind in ("image", "images"):  # over JSON, an image is base64 (or a data: URL)
         text = f"{help or p.help} ({p.range_text}), base64"
         kind: Any = str | None if p.kind == "image" else list[str]

@@ -19,6 +19,8 @@ enum sample_method_t { EULER_SAMPLE_METHOD, SAMPLE_METHOD_COUNT, ... };
 enum scheduler_t { DISCRETE_SCHEDULER, SCHEDULER_COUNT, ... };
 enum rng_type_t { STD_DEFAULT_RNG, CUDA_RNG, CPU_RNG, RNG_TYPE_COUNT };
 enum sd_type_t { SD_TYPE_COUNT, ... };
+enum lora_apply_mode_t { LORA_APPLY_AUTO, LORA_APPLY_IMMEDIATELY, LORA_APPLY_AT_RUNTIME, ... };
+typedef struct { bool is_high_noise; float multiplier; const char* path; } sd_lora_t;
 
 typedef struct {
     const char* model_path;
@@ -42,6 +44,7 @@ typedef struct {
     bool diffusion_conv_direct;
     bool vae_conv_direct;
     float max_vram;
+    enum lora_apply_mode_t lora_apply_mode;
     ...;
 } sd_ctx_params_t;
 
@@ -62,6 +65,8 @@ typedef struct {
 } sd_sample_params_t;
 typedef struct { bool enabled; ...; } sd_tiling_params_t;
 typedef struct {
+    const sd_lora_t* loras;
+    uint32_t lora_count;
     const char* prompt;
     const char* negative_prompt;
     int clip_skip;

@@ -15,6 +15,8 @@ from sdfarm.native.errors import ModelLoadError
 from sdfarm.native.model import Model
 
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+LORAS_FOLDER = "loras"
+"""A models directory's folder of LoRA files (sdfarm.native.loras): not a model."""
 
 
 def model_dirs(given: Iterable[str | os.PathLike[str]] = ()) -> list[Path]:
@@ -37,13 +39,17 @@ class Catalog:
         found = set()
         for d in self.dirs:
             if d.is_dir():
-                found.update(p.name for p in d.iterdir() if p.is_dir() and NAME.match(p.name))
+                found.update(
+                    p.name
+                    for p in d.iterdir()
+                    if p.is_dir() and NAME.match(p.name) and p.name != LORAS_FOLDER
+                )
         return sorted(found)
 
     def path(self, name: str) -> Path:
         """The folder of model `name`; ModelLoadError when the name is not a plain name or no
         directory holds it."""
-        if not isinstance(name, str) or not NAME.match(name):
+        if not isinstance(name, str) or not NAME.match(name) or name == LORAS_FOLDER:
             raise ModelLoadError(f"invalid model name {name!r}: use letters, digits, '.', '_', '-'")
         for d in self.dirs:
             candidate = (d / name).resolve()

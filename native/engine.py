@@ -36,6 +36,7 @@ from sdfarm.native.errors import (
 )
 from sdfarm.native.estimate import ModelFacts, model_facts, use_vae_conv_direct
 from sdfarm.native.fitplan import FitPlan, plan_fit
+from sdfarm.native.loras import LoraFile
 from sdfarm.native.model import Model
 from sdfarm.native.params import GenerationParams, validate
 from sdfarm.native.ring import LogRing
@@ -138,6 +139,7 @@ class Engine:
         self._pending: list[logs.LogRecord] = []
         self.native_calls = 0  # generate/load calls into the runtime (tests assert on it)
         self.last_call: dict[str, Any] = {}  # the last generation's parameters, read back
+        self._lora_paths: dict[str, Path] = {}
 
         if figures is None:
             from sdfarm.native.probe import read_host_figures
@@ -234,6 +236,7 @@ class Engine:
         p.keep_vae_on_cpu = self.fit.keep_vae_on_cpu
         p.offload_params_to_cpu = self.fit.offload_params_to_cpu
         p.max_vram = float(self.fit.max_vram)
+        p.lora_apply_mode = lora_apply_mode()
         lib.sdf_progress_reset()
         self.native_calls += 1
         return lib.new_sd_ctx(p)
@@ -263,6 +266,7 @@ class Engine:
         g.sample_params.sample_steps = params.steps
         g.sample_params.guidance.txt_cfg = params.cfg_scale
         keep = self._set_images(g, params)
+        keep += self._set_loras(g, params)
         if params.sampler != "default":
             g.sample_params.sample_method = _enum_index(
                 lib.sd_sample_method_name, params.sampler, lib.SAMPLE_METHOD_COUNT, ffi
@@ -339,6 +343,20 @@ class Engine:
             g.ref_images, g.ref_images_count = refs, len(params.ref_images)
         return keep
 
+    def _set_loras(self, g: Any, params: GenerationParams) -> list[Any]:
+        """Put the job's LoRAs into the call (their files resolved by `generate`)."""
+        if not params.loras:
+            return []
+        ffi = self._ffi
+        arr = ffi.new("sd_lora_t[]", len(params.loras))
+        keep: list[Any] = [arr]
+        for i, (name, weight) in enumerate(params.loras):
+            path = ffi.new("char[]", str(self._lora_paths[name]).encode())
+            keep.append(path)
+            arr[i] = {"is_high_noise": False, "multiplier": weight, "path": path}
+        g.loras, g.lora_count = arr, len(params.loras)
+        return keep
+
     def _read_back(self, g: Any) -> dict[str, Any]:
         """Every job parameter as the native call receives it, read back from its struct (a
         test walks each parameter through every door to here)."""
@@ -364,6 +382,10 @@ class Engine:
             "strength": g.strength,
             "mask_image": _shape(g.mask_image, ffi),
             "ref_images": [_shape(g.ref_images[i], ffi) for i in range(g.ref_images_count)],
+            "loras": [
+                [Path(ffi.string(g.loras[i].path).decode()).stem, g.loras[i].multiplier]
+                for i in range(g.lora_count)
+            ],
         }
 
     def _watch_progress(
@@ -394,12 +416,14 @@ class Engine:
         progress: Callable[[int, int, float], None] | None = None,
         log: LogConfig | None = None,
         estimate: int | None = None,
+        loras: Mapping[str, LoraFile] | None = None,
         **kwargs: Any,
     ) -> GenerationResult:
         """Generate `params` (or keyword arguments of GenerationParams). `log` overrides the
         engine's log settings for this call (a farm's jobs each choose their level and whether
         prompts stay in records). `estimate` is the job's estimate as the scheduler placed it
-        (sdfarm.native.estimate); without it the engine makes it from its own facts. Raises
+        (sdfarm.native.estimate); without it the engine makes it from its own facts. `loras`
+        are the checked files (sdfarm.native.loras) of the LoRAs `params` names. Raises
         InvalidParameterError before any native call, ModelTooLargeError when the estimate
         at the requested size exceeds what refuses a load, GenerationError quoting the
         runtime's error records."""
@@ -415,8 +439,14 @@ class Engine:
                 f"model {self.model.name!r} cannot encode an image (img2img, inpainting): its "
                 "VAE or TAESD has no encoder, only a decoder",
             )
+        files = loras or {}
+        missing = [name for name, _ in params.loras if name not in files]
+        if missing:
+            raise InvalidParameterError("loras", f"unknown LoRA {missing[0]!r}")
+        self._lora_paths = {name: files[name].path for name, _ in params.loras}
+        lora_bytes = sum(files[name].size for name, _ in params.loras)
         size_estimate = estimate or self.estimate_for(
-            params.width, params.height, params.encodes
+            params.width, params.height, params.encodes, lora_bytes
         )
         limit = self._verdict.refuse_figure
         if self._verdict.action != "skip" and limit is not None and size_estimate > limit:
@@ -430,8 +460,9 @@ class Engine:
                 self._verdict.figures,
             )
         cfg = log or self._log
+        lora_labels = {str(path): f"<lora {name} file>" for name, path in self._lora_paths.items()}
         scrub = logs.Scrubber(
-            self._path_roles,
+            {**self._path_roles, **lora_labels},
             (params.prompt, params.negative_prompt),
             log_prompts=cfg.log_prompts,
         )
@@ -469,9 +500,11 @@ class Engine:
         }
         return GenerationResult(images, params, metadata, records)
 
-    def estimate_for(self, width: int, height: int, encodes: bool = False) -> int:
+    def estimate_for(
+        self, width: int, height: int, encodes: bool = False, extra_bytes: int = 0
+    ) -> int:
         """This engine's estimate of a width x height job (`ModelFacts.estimate`)."""
-        return self.facts.estimate(width, height, encodes)
+        return self.facts.estimate(width, height, encodes, extra_bytes)
 
     def drain_load_records(self) -> list[logs.LogRecord]:
         """Records of the load (and warm-up), once."""
@@ -524,6 +557,21 @@ class Engine:
         out = logs.visible(self._pending + raw, cfg.level, cfg.native)
         self._pending = []
         return out
+
+
+LORA_APPLY_MODES = ("auto", "immediately", "at_runtime")
+
+
+def lora_apply_mode() -> int:
+    """How the runtime applies a job's LoRAs: at run time, beside the weights, never merged
+    into them. Merged ("immediately", the runtime's choice for f16 weights) a LoRA leaves the
+    weights changed after it is taken off again (f16 rounding): measured with the tiny model,
+    a job without LoRA after LoRA jobs gave other bytes than before them, and a LoRA job after
+    another LoRA set gave other bytes than the first time (bench/lora_cost.py). At run time
+    every job gets the same bytes whatever ran before it, so an engine holds no LoRA state and
+    placement need not follow LoRA sets. `SDFARM_LORA_APPLY` overrides, for measurements."""
+    forced = os.environ.get("SDFARM_LORA_APPLY", "at_runtime")
+    return LORA_APPLY_MODES.index(forced) if forced in LORA_APPLY_MODES else 2
 
 
 def _shape(img: Any, ffi: Any) -> str | None:

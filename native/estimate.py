@@ -34,14 +34,19 @@ class ModelFacts:
     native_size: tuple[int, int]
     decode_per_pixel: int = 0
 
-    def estimate(self, width: int, height: int, encodes: bool = False) -> int:
+    def estimate(self, width: int, height: int, encodes: bool = False, extra_bytes: int = 0) -> int:
         """The peak memory estimate of this model generating width x height images; an image
         to encode first (img2img, inpainting) adds the encoder's working memory, which is the
-        decoder's per pixel (the same convolutions run the other way)."""
+        decoder's per pixel (the same convolutions run the other way); `extra_bytes` are the
+        files a job adds (its LoRAs), counted like the model's (the seed's quarter on top)."""
         nw, nh = self.native_size
         per_pixel = self.decode_per_pixel * (2 if encodes else 1)
         return memory.estimate_bytes(
-            self.bytes, int(width), int(height), nw * nh, decode_per_pixel=per_pixel
+            self.bytes + extra_bytes,
+            int(width),
+            int(height),
+            nw * nh,
+            decode_per_pixel=per_pixel,
         )
 
     def resident(self) -> int:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import secrets
 from collections.abc import Mapping
 from dataclasses import MISSING, asdict, dataclass, field, fields, replace
@@ -120,6 +121,8 @@ PROMPT_LIMIT_WHY = (
 MAX_SEED = 2**63 - 1
 RANDOM_SEED = -1
 MAX_REF_IMAGES = 4
+MAX_LORAS = 8
+MAX_LORA_WEIGHT = 10.0
 
 
 @dataclass(frozen=True)
@@ -159,6 +162,7 @@ class Param:
             "bool": bool,
             "image": bytes,
             "images": bytes,
+            "loras": str,
         }[self.kind]
 
     @property
@@ -168,6 +172,11 @@ class Param:
             return "one of " + ", ".join(self.choices)
         if self.kind == "bool":
             return "true or false"
+        if self.kind == "loras":
+            return (
+                f"up to {_num(self.hi)} NAME:WEIGHT pairs, each weight "
+                f"{_num(-MAX_LORA_WEIGHT)}..{_num(MAX_LORA_WEIGHT)}"
+            )
         if self.kind in ("image", "images"):
             one = (
                 f"a PNG, JPEG or WebP image of at most {images.MAX_IMAGE_BYTES // 2**20} MiB "
@@ -190,6 +199,8 @@ class Param:
             return _text(self.name, value, self.max_chars, self.max_bytes, self.limit_why)
         if self.kind == "image":
             return None if value is None else images.check_image(self.name, value)
+        if self.kind == "loras":
+            return _loras(self.name, value, int(self.hi or 0))
         if self.kind == "images":
             if not isinstance(value, list | tuple):
                 raise InvalidParameterError(self.name, f"must be a list of images, got {value!r}")
@@ -283,10 +294,15 @@ class GenerationParams:
         "images", (), "reference images for edit models (Flux Kontext, Qwen-Image-Edit)",
         hi=MAX_REF_IMAGES,
     )  # fmt: skip
+    loras: tuple[tuple[str, float], ...] = param(
+        "loras", (), "LoRAs to apply, by name (the farm's loras/ folders), with their weights",
+        hi=MAX_LORAS,
+    )  # fmt: skip
 
     def as_dict(self) -> dict[str, Any]:
         """The parameters as JSON-ready values: each input image by its digest."""
         out = asdict(self)
+        out["loras"] = [[name, weight] for name, weight in self.loras]
         for p in IMAGE_PARAMS:
             value = out[p.name]
             if p.kind == "image":
@@ -500,3 +516,39 @@ def _read(name: str, path: str | os.PathLike[str]) -> bytes:
         raise InvalidParameterError(
             name, f"cannot read {os.fspath(path)!r}: {exc.strerror or exc}"
         ) from None
+
+
+LORA_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+def _loras(name: str, value: Any, most: int) -> tuple[tuple[str, float], ...]:
+    """LoRA (name, weight) pairs from a list of pairs, {"name", "weight"} objects or
+    "NAME:WEIGHT" strings (a weight left out is 1); each name once."""
+    if not isinstance(value, list | tuple):
+        raise InvalidParameterError(name, f"must be a list of LoRAs, got {value!r}")
+    if len(value) > most:
+        raise InvalidParameterError(name, f"has {len(value)} LoRAs, at most {most}")
+    out: list[tuple[str, float]] = []
+    for i, item in enumerate(value):
+        where = f"{name}[{i}]"
+        if isinstance(item, str):
+            lora, _, weight = item.partition(":")
+            item = (lora, weight or 1.0)
+        elif isinstance(item, dict):
+            item = (item.get("name"), item.get("weight", 1.0))
+        if not (isinstance(item, list | tuple) and len(item) == 2):
+            raise InvalidParameterError(where, f"must be NAME:WEIGHT, got {item!r}")
+        lora = item[0]
+        if not isinstance(lora, str) or not LORA_NAME.match(lora):
+            raise InvalidParameterError(
+                where, f"{lora!r} is not a LoRA name (letters, digits, '.', '_', '-')"
+            )
+        weight = _float(where, item[1])
+        if not math.isfinite(weight) or abs(weight) > MAX_LORA_WEIGHT:
+            raise InvalidParameterError(
+                where, f"weight {weight} is outside {-MAX_LORA_WEIGHT:g}..{MAX_LORA_WEIGHT:g}"
+            )
+        if any(lora == seen for seen, _ in out):
+            raise InvalidParameterError(where, f"LoRA {lora!r} is listed twice")
+        out.append((lora, weight))
+    return tuple(out)

@@ -7,7 +7,8 @@ built-in tokenizer) and a TAESD (decoder and encoder) for 16-channel latents. Th
 infers every size from the tensor shapes, listed in `data/ovis-tiny-tensors.json` (PyTorch
 order, names without sd.cpp's per-role prefixes; the encoder's are `tae_encoder_specs`).
 
-Two folders are written, both loadable as models (`Model.from_dir`):
+Two folders are written, both loadable as models (`Model.from_dir`), and a LoRA for them
+(`loras/tiny-lora.safetensors`, sdfarm.native.loras):
 - `tiny-f16/`: safetensors, 2-D and larger tensors f16, 1-D f32;
 - `tiny-q8_0/`: GGUF, 2-D and larger tensors q8_0 where the row length is a multiple of 32
   (else f16), 1-D f32: the quantised path through the runtime.
@@ -178,7 +179,32 @@ def make_test_model(out_dir: str | os.PathLike[str]) -> list[Path]:
             writer(folder / f"{stem}{suffix}", part, specs[part])
         _write_manifest(folder, suffix)
         folders.append(folder)
+    make_test_lora(out / "loras" / f"{TEST_LORA}.safetensors", specs["dit"])
     return folders
+
+
+TEST_LORA = "tiny-lora"
+LORA_TARGETS = ("double_blocks.0.img_attn.qkv", "double_blocks.0.txt_attn.qkv",
+                "single_blocks.0.linear1")  # fmt: skip
+LORA_RANK = 4
+
+
+def make_test_lora(path: Path, dit: dict[str, tuple[int, ...]]) -> Path:
+    """A rank-4 LoRA for the tiny DiT's attention and single block (`loras/tiny-lora`), in the
+    common `diffusion_model.X.lora_down/lora_up.weight` + `.alpha` layout; deterministic."""
+    from safetensors.numpy import save_file
+
+    tensors: dict[str, np.ndarray] = {}
+    for target in LORA_TARGETS:
+        out_f, in_f = dit[f"{target}.weight"]
+        key = f"diffusion_model.{target}"
+        for part, shape in (("lora_down", (LORA_RANK, in_f)), ("lora_up", (out_f, LORA_RANK))):
+            rng = np.random.default_rng([SEED, zlib.crc32(f"lora/{key}.{part}".encode())])
+            tensors[f"{key}.{part}.weight"] = (0.5 * rng.standard_normal(shape)).astype(np.float16)
+        tensors[f"{key}.alpha"] = np.array(float(LORA_RANK), dtype=np.float32)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path))
+    return path
 
 
 def main(argv: list[str] | None = None) -> int:

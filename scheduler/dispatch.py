@@ -72,8 +72,8 @@ class DispatchConfig:
             raise ValueError(f"queue limit must be at least 1, got {self.queue_limit}")
 
 
-Shape = tuple[str, int, int, bool]
-"""(model, width, height, encodes an input image)."""
+Shape = tuple[str, int, int, bool, tuple[str, ...]]
+"""(model, width, height, encodes an input image, its LoRAs)."""
 
 
 @dataclass(frozen=True)
@@ -88,11 +88,12 @@ class PendingJob:
     width: int
     height: int
     encodes: bool = False
+    loras: tuple[str, ...] = ()
 
     @property
     def shape(self) -> Shape:
         """What the job's estimate depends on: jobs of one shape share it."""
-        return (self.model, self.width, self.height, self.encodes)
+        return (self.model, self.width, self.height, self.encodes, self.loras)
 
 
 class Outbox(Protocol):
@@ -345,7 +346,8 @@ class Dispatcher:
                     stats["refused"] += sum(self._fail(j, error, (), 0) for j in group)
                 continue
             self._missing_since.pop(model, None)
-            estimate = facts.estimate(*shape[1:])
+            sizes = snap.loras()
+            estimate = facts.estimate(*shape[1:4], sum(sizes.get(n, 0) for n in shape[4]))
             outcome = placement.place(
                 placement.JobRequest(model, estimate), list(devices.values()), now
             )
@@ -478,12 +480,14 @@ def _pending_job(job_id: str, priority: int, values: list[Any]) -> PendingJob | 
         params = json.loads(spec).get("params") or {}
         width, height = int(params.get("width", 256)), int(params.get("height", 256))
         encodes = params.get("init_image") is not None
-    except (ValueError, TypeError, AttributeError):
-        width, height, encodes = 256, 256, False
+        loras = tuple(str(pair[0]) for pair in params.get("loras") or [])
+    except (ValueError, TypeError, AttributeError, IndexError):
+        width, height, encodes, loras = 256, 256, False, ()
     try:
         created_at = float(created or 0)
     except ValueError:
         created_at = 0.0
     return PendingJob(
-        job_id, model, priority, submitter or "anonymous", created_at, width, height, encodes
-    )
+        job_id, model, priority, submitter or "anonymous", created_at, width, height, encodes,
+        loras,
+    )  # fmt: skip

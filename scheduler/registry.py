@@ -146,6 +146,15 @@ def model_facts(heartbeats: Mapping[str, Mapping[str, Any]], name: str) -> Model
     return ModelFacts.cautious(found) if found else None
 
 
+def farm_loras(heartbeats: Mapping[str, Mapping[str, Any]]) -> dict[str, int]:
+    """{name: bytes} of every LoRA some live worker can apply (the largest copy)."""
+    out: dict[str, int] = {}
+    for hb in heartbeats.values():
+        for name, size in (hb.get("loras") or {}).items():
+            out[str(name)] = max(out.get(str(name), 0), _int(size))
+    return out
+
+
 def farm_models(heartbeats: Mapping[str, Mapping[str, Any]]) -> list[str]:
     """Every model some live worker can load."""
     return sorted({n for hb in heartbeats.values() for n in heartbeat_models(hb)})
@@ -173,6 +182,9 @@ class Snapshot:
 
     def models(self) -> list[str]:
         return farm_models(self.heartbeats)
+
+    def loras(self) -> dict[str, int]:
+        return farm_loras(self.heartbeats)
 
     def running_by_submitter(self) -> dict[str, int]:
         counts: dict[str, int] = {}

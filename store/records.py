@@ -83,6 +83,7 @@ HEARTBEAT_FIELDS = {
     "loading": "the model being loaded, or null",
     "models": "{name: {bytes, native_size: [w, h], decode_per_pixel}} the models it can load",
     "bad_models": "{name: error} models in its folders that do not load",
+    "loras": "{name: bytes} the LoRA files it can apply",
     "queue": "messages waiting in its Celery queue",
     "state": "idle, loading or busy",
     "current_job": "the job it runs, or null",

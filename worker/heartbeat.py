@@ -97,8 +97,10 @@ class ModelFacts:
     every second): `sdfarm.native.estimate.ModelFacts`, from which the scheduler makes a job's
     estimate exactly as this worker's engine would."""
 
-    def __init__(self, catalog: Any, device: Any) -> None:
+    def __init__(self, catalog: Any, device: Any, loras: Any = None) -> None:
         self._catalog = catalog
+        self._lora_catalog = loras
+        self.loras: dict[str, int] = {}
         self._device = device
         self._known: dict[str, tuple[float, dict[str, Any]]] = {}
         self.bad: dict[str, str] = {}
@@ -125,6 +127,8 @@ class ModelFacts:
             except Exception as exc:  # noqa: BLE001 - a broken model is reported, not fatal
                 bad[name] = str(exc)
         self._facts, self.bad = facts, bad
+        if self._lora_catalog is not None:
+            self.loras = self._lora_catalog.sizes()
         return facts
 
 
@@ -142,7 +146,7 @@ class Heartbeat:
         self._ctx = ctx
         self._parent = os.getppid()
         self._stop = threading.Event()
-        self._models = ModelFacts(ctx.catalog, ctx.config.device)
+        self._models = ModelFacts(ctx.catalog, ctx.config.device, ctx.loras)
         self._version = version()
         self._thread = threading.Thread(target=self._run, name="sdfarm-heartbeat", daemon=True)
 
@@ -179,6 +183,7 @@ class Heartbeat:
             "loading": ctx.cache.loading,
             "models": self._models.get(),
             "bad_models": self._models.bad,
+            "loras": self._models.loras,
             "queue": ctx.store.queue_length(cfg.device_key),
             "state": state,
             "current_job": ctx.current_job,

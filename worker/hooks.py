@@ -47,6 +47,7 @@ class WorkerConfig:
     backend: str | None = None
     engine_log_level: str = "info"
     celery_hostname: str = ""
+    lora_dirs: list[str] = field(default_factory=list)  # besides each models dir's loras/
 
     @property
     def device_key(self) -> str:
@@ -83,6 +84,7 @@ class Context:
 
     def __init__(self, config: WorkerConfig) -> None:
         from sdfarm.native.catalog import Catalog
+        from sdfarm.native.loras import LoraCatalog, lora_dirs
         from sdfarm.store import Store
         from sdfarm.worker.engine_cache import EngineCache
         from sdfarm.worker.heartbeat import Heartbeat, cache_limits
@@ -95,6 +97,7 @@ class Context:
         # Writes of up to MAX_RESULT_BYTES need more than redis-py 8's default 5 s timeout.
         self.store = Store.connect(config.redis_url, health_check_interval=30, socket_timeout=60)
         self.catalog = Catalog(config.models)
+        self.loras = LoraCatalog(lora_dirs(config.models, config.lora_dirs))
         capacity, overflow = cache_limits(config)
         self.cache = EngineCache(
             self._load_engine,

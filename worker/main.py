@@ -56,6 +56,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "inside these",
     )
     parser.add_argument(
+        "--lora-dir",
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="a folder of LoRA files besides each models directory's loras/ (repeatable; "
+        "default $SDFARM_LORAS)",
+    )
+    parser.add_argument(
         "--host", default=None, help="host name in the farm (default: this machine's hostname)"
     )
     parser.add_argument(
@@ -147,6 +155,7 @@ def build_config(args: argparse.Namespace) -> Any:
         memory_limit=args.memory_limit,
         keep_alive=args.keep_alive,
         pins=list(args.pin),
+        lora_dirs=list(args.lora_dir),
         threads=args.threads,
         backend=args.backend or os.environ.get("SDFARM_BACKEND"),
         celery_hostname=f"sdfarm.{device.name}@{host}",

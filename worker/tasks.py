@@ -117,15 +117,19 @@ class JobRun:
             params = validate(from_mapping(self._with_inputs(spec.params)))
             model = self.ctx.catalog.load(spec.model)
             facts = model_facts(model, self.ctx.config.device)
+            loras = {name: self.ctx.loras.load(name) for name, _ in params.loras}
+            lora_bytes = sum(f.size for f in loras.values())
             # The job's estimate as the scheduler placed it (sdfarm.native.estimate): the
             # cache makes room for it and the engine checks it, so all three agree.
-            need = claimed.estimate or facts.estimate(params.width, params.height, params.encodes)
+            need = claimed.estimate or facts.estimate(
+                params.width, params.height, params.encodes, lora_bytes
+            )
             engine = self.ctx.request_engine(spec.model, model, facts.resident(), self.job_id, need)
         except EngineError as exc:
             self._fail(str(exc), _error_records(exc), self._refusal_fields(exc))
             return
         try:
-            self._generate(spec.model, engine, params, need, hooks.hook_sleep_seconds(hook))
+            self._generate(spec.model, engine, params, need, loras, hooks.hook_sleep_seconds(hook))
         except EngineError as exc:
             if engine.poisoned:
                 self.ctx.cache.drop(spec.model)
@@ -138,7 +142,13 @@ class JobRun:
             self.ctx.cache.release(spec.model)
 
     def _generate(
-        self, name: str, engine: Any, params: GenerationParams, estimate: int, sleep_s: float
+        self,
+        name: str,
+        engine: Any,
+        params: GenerationParams,
+        estimate: int,
+        loras: dict[str, Any],
+        sleep_s: float,
     ) -> None:
         loaded = (
             self.ctx.last_load if (self.ctx.last_load or {}).get("job") == self.job_id else None
@@ -164,6 +174,7 @@ class JobRun:
                 progress=self._progress,
                 log=LogConfig(level=self.level, log_prompts=self.log_prompts),
                 estimate=estimate,
+                loras=loras,
             )
         meta = {**result.metadata, **self.meta}
         meta["engine_device"] = result.metadata.get("device")

@@ -27,6 +27,7 @@ import pytest
 from sdfarm.client.farm import Farm
 from sdfarm.native.engine import Engine
 from sdfarm.native.images import digest
+from sdfarm.native.loras import LoraCatalog, lora_dirs
 from sdfarm.native.params import IMAGE_PARAMS, NAMES, PARAMS, GenerationParams
 from sdfarm.native.png import read_params
 
@@ -65,13 +66,17 @@ VALUES: dict[str, Any] = {
     "strength": 0.25,
     "mask_image": _png(2, (72, 64), "L"),
     "ref_images": (_png(3, (48, 40)),),
+    "loras": (("tiny-lora", 0.75),),
 }
 IMAGES = {p.name: p.kind for p in IMAGE_PARAMS}
 
 
 def recorded(name: str) -> Any:
-    """What the metadata and the PNG chunk record for VALUES[name]: an image by its digest."""
+    """What the metadata and the PNG chunk record for VALUES[name]: an image by its digest,
+    LoRAs as [name, weight] lists (JSON)."""
     value = VALUES[name]
+    if name == "loras":
+        return [list(pair) for pair in value]
     if IMAGES.get(name) == "image":
         return digest(value)
     if IMAGES.get(name) == "images":
@@ -80,8 +85,10 @@ def recorded(name: str) -> Any:
 
 
 def as_json(name: str) -> Any:
-    """VALUES[name] as a JSON body carries it: an image base64."""
+    """VALUES[name] as a JSON body carries it: an image base64, a LoRA as [name, weight]."""
     value = VALUES[name]
+    if name == "loras":
+        return [list(pair) for pair in value]
     if IMAGES.get(name) == "image":
         return base64.b64encode(value).decode()
     if IMAGES.get(name) == "images":
@@ -136,6 +143,9 @@ def flags(folder: Path) -> list[str]:
         if name in IMAGES:
             for f in files[name] if IMAGES[name] == "images" else [files[name]]:
                 out += [flag, str(folder / f)]
+        elif name == "loras":
+            for lora, weight in value:
+                out += [flag, f"{lora}:{weight}"]
         elif name != "prompt":
             out += [flag, str(value)]
     return out
@@ -154,13 +164,16 @@ def client(farm: Any) -> Iterator[Farm]:
 
 
 def test_in_process_the_native_call_receives_every_parameter(models_dir: Path) -> None:
+    catalog = LoraCatalog(lora_dirs([models_dir]))
+    loras = {name: catalog.load(name) for name, _ in VALUES["loras"]}
     with Engine.load(models_dir / MODEL, threads=1) as engine:
-        result = engine.generate(GenerationParams(**VALUES))
+        result = engine.generate(GenerationParams(**VALUES), loras=loras)
         received = engine.last_call
     shapes = {
         "init_image": "72x64x3",  # the job's size, RGB
         "mask_image": "72x64x1",  # one channel
         "ref_images": ["48x40x3"],  # its own size
+        "loras": [["tiny-lora", pytest.approx(0.75)]],  # the file's name, the multiplier
     }
     for name, value in VALUES.items():
         want = shapes.get(name, value)
@@ -196,7 +209,8 @@ def test_batch_jsonl_and_csv_lines(farm: Any, tmp_path: Path) -> None:
     buf = io.StringIO()
     writer = csv.DictWriter(buf, fieldnames=["name", *VALUES])
     writer.writeheader()
-    writer.writerow({"name": "from-csv", **line, "ref_images": ";".join(files["ref_images"])})
+    writer.writerow({"name": "from-csv", **line, "ref_images": ";".join(files["ref_images"]),
+                     "loras": ";".join(f"{n}:{w}" for n, w in VALUES["loras"])})  # fmt: skip
     table = tmp_path / "items.csv"
     table.write_text(buf.getvalue())
     for items in (jsonl, table):
