@@ -64,6 +64,19 @@ typedef struct {
     ...;
 } sd_sample_params_t;
 typedef struct { bool enabled; ...; } sd_tiling_params_t;
+enum sd_cache_mode_t { SD_CACHE_DISABLED, ... };
+typedef struct { enum sd_cache_mode_t mode; ...; } sd_cache_params_t;
+enum sd_hires_upscaler_t { SD_HIRES_UPSCALER_NONE, SD_HIRES_UPSCALER_LATENT, ... };
+typedef struct {
+    bool enabled;
+    enum sd_hires_upscaler_t upscaler;
+    float scale;
+    int target_width;
+    int target_height;
+    int steps;
+    float denoising_strength;
+    ...;
+} sd_hires_params_t;
 typedef struct {
     const sd_lora_t* loras;
     uint32_t lora_count;
@@ -81,6 +94,8 @@ typedef struct {
     int64_t seed;
     int batch_count;
     sd_tiling_params_t vae_tiling_params;
+    sd_cache_params_t cache;
+    sd_hires_params_t hires;
     ...;
 } sd_img_gen_params_t;
 

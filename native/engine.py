@@ -38,7 +38,7 @@ from sdfarm.native.estimate import ModelFacts, model_facts, use_vae_conv_direct
 from sdfarm.native.fitplan import FitPlan, plan_fit
 from sdfarm.native.loras import LoraFile
 from sdfarm.native.model import Model
-from sdfarm.native.params import GenerationParams, validate
+from sdfarm.native.params import STEP_CACHES, GenerationParams, validate
 from sdfarm.native.ring import LogRing
 from sdfarm.native.roles import ROLE_PARAMS
 
@@ -266,6 +266,14 @@ class Engine:
         g.sample_params.sample_steps = params.steps
         g.sample_params.guidance.txt_cfg = params.cfg_scale
         keep = self._set_images(g, params)
+        g.cache.mode = STEP_CACHES.index(params.step_cache)  # the runtime's enum order
+        if params.hires_scale > 1.0:
+            g.hires.enabled = True
+            g.hires.upscaler = lib.SD_HIRES_UPSCALER_LATENT
+            g.hires.scale = params.hires_scale
+            g.hires.target_width, g.hires.target_height = params.final_size
+            g.hires.steps = params.hires_steps
+            g.hires.denoising_strength = params.hires_strength
         keep += self._set_loras(g, params)
         if params.sampler != "default":
             g.sample_params.sample_method = _enum_index(
@@ -386,6 +394,11 @@ class Engine:
                 [Path(ffi.string(g.loras[i].path).decode()).stem, g.loras[i].multiplier]
                 for i in range(g.lora_count)
             ],
+            "hires_scale": g.hires.scale if g.hires.enabled else 1.0,
+            "hires_steps": g.hires.steps,
+            "hires_strength": g.hires.denoising_strength,
+            "hires_size": f"{g.hires.target_width}x{g.hires.target_height}",
+            "step_cache": STEP_CACHES[g.cache.mode],
         }
 
     def _watch_progress(
@@ -446,7 +459,7 @@ class Engine:
         self._lora_paths = {name: files[name].path for name, _ in params.loras}
         lora_bytes = sum(files[name].size for name, _ in params.loras)
         size_estimate = estimate or self.estimate_for(
-            params.width, params.height, params.encodes, lora_bytes
+            *params.final_size, params.encodes, lora_bytes
         )
         limit = self._verdict.refuse_figure
         if self._verdict.action != "skip" and limit is not None and size_estimate > limit:

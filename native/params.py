@@ -122,6 +122,8 @@ MAX_SEED = 2**63 - 1
 RANDOM_SEED = -1
 MAX_REF_IMAGES = 4
 MAX_LORAS = 8
+STEP_CACHES = ("off", "easycache", "ucache", "dbcache", "taylorseer", "cache_dit", "spectrum")
+"""sd_cache_mode_t of master-596, in its order ("off" is SD_CACHE_DISABLED)."""
 MAX_LORA_WEIGHT = 10.0
 
 
@@ -298,6 +300,32 @@ class GenerationParams:
         "loras", (), "LoRAs to apply, by name (the farm's loras/ folders), with their weights",
         hi=MAX_LORAS,
     )  # fmt: skip
+    hires_scale: float = param(
+        "float", 1.0, "a second, high-resolution pass: the final size over width x height "
+        "(1: no second pass)", lo=1.0, hi=4.0,
+    )  # fmt: skip
+    hires_steps: int = param(
+        "int", 0, "steps of the high-resolution pass (0: as many as the first)", lo=0,
+        hi=MAX_STEPS,
+    )  # fmt: skip
+    hires_strength: float = param(
+        "float", 0.7, "how much the high-resolution pass redraws", lo=0.0, hi=1.0
+    )
+    step_cache: str = param(
+        "choice", "off", "reuse the model's output across similar steps (faster, a little "
+        "different; for DiT models: easycache, cache_dit, ...)", choices=STEP_CACHES,
+    )  # fmt: skip
+
+    @property
+    def final_size(self) -> tuple[int, int]:
+        """The size of the images the job returns: width x height, times hires_scale rounded
+        to the runtime's 8-pixel cells."""
+        if self.hires_scale <= 1.0:
+            return self.width, self.height
+        return (
+            _cells(self.width * self.hires_scale),
+            _cells(self.height * self.hires_scale),
+        )
 
     def as_dict(self) -> dict[str, Any]:
         """The parameters as JSON-ready values: each input image by its digest."""
@@ -439,6 +467,13 @@ def validate(params: GenerationParams) -> GenerationParams:
             f"scheduler {checked['scheduler']} needs at least {least} steps, got "
             f"{checked['steps']}: {why}; use {least} or more steps, or another scheduler",
         )
+    final = replace(params, **checked).final_size
+    if max(final) > MAX_SIZE or final[0] * final[1] > MAX_PIXELS:
+        raise InvalidParameterError(
+            "hires_scale",
+            f"{checked['width']}x{checked['height']} times {checked['hires_scale']:g} is "
+            f"{final[0]}x{final[1]}, beyond {MAX_SIZE} pixels a side or {MAX_PIXELS} in all",
+        )
     if checked["mask_image"] is not None and checked["init_image"] is None:
         raise InvalidParameterError(
             "mask_image", "needs an init_image: the mask says which part of it is redrawn"
@@ -552,3 +587,8 @@ def _loras(name: str, value: Any, most: int) -> tuple[tuple[str, float], ...]:
             raise InvalidParameterError(where, f"LoRA {lora!r} is listed twice")
         out.append((lora, weight))
     return tuple(out)
+
+
+def _cells(x: float) -> int:
+    """`x` pixels rounded to the runtime's 8-pixel latent cells."""
+    return max(SIZE_STEP, int(round(x / SIZE_STEP)) * SIZE_STEP)

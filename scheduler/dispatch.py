@@ -22,6 +22,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
+from sdfarm.native.errors import InvalidParameterError
+from sdfarm.native.params import from_mapping
 from sdfarm.scheduler import fairness, placement
 from sdfarm.scheduler.registry import (
     DEFAULT_BACKLOG,
@@ -478,10 +480,10 @@ def _pending_job(job_id: str, priority: int, values: list[Any]) -> PendingJob | 
         return None
     try:
         params = json.loads(spec).get("params") or {}
-        width, height = int(params.get("width", 256)), int(params.get("height", 256))
+        width, height = from_mapping(params).final_size  # hires: the final size counts
         encodes = params.get("init_image") is not None
         loras = tuple(str(pair[0]) for pair in params.get("loras") or [])
-    except (ValueError, TypeError, AttributeError, IndexError):
+    except (ValueError, TypeError, AttributeError, IndexError, InvalidParameterError):
         width, height, encodes, loras = 256, 256, False, ()
     try:
         created_at = float(created or 0)

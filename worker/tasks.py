@@ -122,7 +122,7 @@ class JobRun:
             # The job's estimate as the scheduler placed it (sdfarm.native.estimate): the
             # cache makes room for it and the engine checks it, so all three agree.
             need = claimed.estimate or facts.estimate(
-                params.width, params.height, params.encodes, lora_bytes
+                *params.final_size, params.encodes, lora_bytes
             )
             engine = self.ctx.request_engine(spec.model, model, facts.resident(), self.job_id, need)
         except EngineError as exc:

@@ -67,6 +67,10 @@ VALUES: dict[str, Any] = {
     "mask_image": _png(2, (72, 64), "L"),
     "ref_images": (_png(3, (48, 40)),),
     "loras": (("tiny-lora", 0.75),),
+    "hires_scale": 1.5,
+    "hires_steps": 1,
+    "hires_strength": 0.5,
+    "step_cache": "easycache",
 }
 IMAGES = {p.name: p.kind for p in IMAGE_PARAMS}
 
@@ -182,7 +186,8 @@ def test_in_process_the_native_call_receives_every_parameter(models_dir: Path) -
             f"the runtime's struct has {name}={got!r}, sent {want!r}"
         )
     assert len(result.images) == VALUES["batch_count"]
-    assert result.image.size == (VALUES["width"], VALUES["height"])
+    assert result.image.size == (112, 96)  # 72x64 times hires_scale 1.5, in 8-pixel cells
+    assert received["hires_size"] == "112x96"
 
 
 def test_cli_flags_in_process(models_dir: Path, tmp_path: Path) -> None:

@@ -164,3 +164,23 @@ def test_text_that_utf8_cannot_encode_is_refused():
     assert err.value.parameter == "prompt"
     assert "'\\ud800' at 1, which UTF-8 cannot encode" in str(err.value)
     assert validate(GenerationParams(prompt="a\u00e9\u706f\N{WATER WAVE}b")).prompt
+
+
+def test_the_hires_pass_sets_the_final_size_in_8_pixel_cells_and_within_the_caps() -> None:
+    p = validate(GenerationParams(prompt="p", width=72, height=64, hires_scale=1.5))
+    assert p.final_size == (112, 96)  # 108 rounds to 112
+    assert validate(GenerationParams(prompt="p", width=72, height=64)).final_size == (72, 64)
+    with pytest.raises(InvalidParameterError) as err:
+        validate(GenerationParams(prompt="p", width=4096, height=64, hires_scale=1.5))
+    assert err.value.parameter == "hires_scale" and "6144x96" in str(err.value)
+    with pytest.raises(InvalidParameterError, match="outside 1..4"):
+        validate(GenerationParams(prompt="p", hires_scale=0.5))
+
+
+def test_step_cache_takes_the_runtimes_modes_only() -> None:
+    from sdfarm.native.params import STEP_CACHES
+
+    assert STEP_CACHES[0] == "off"  # SD_CACHE_DISABLED is 0 in the runtime's enum
+    assert validate(GenerationParams(prompt="p", step_cache="cache_dit")).step_cache == "cache_dit"
+    with pytest.raises(InvalidParameterError, match="unknown step_cache 'turbo'"):
+        validate(GenerationParams(prompt="p", step_cache="turbo"))
