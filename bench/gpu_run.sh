@@ -11,6 +11,8 @@
 #   bash bench/gpu_run.sh gputests  # pytest tests/gpu on CUDA0 (tiny model, then full-size)
 #   bash bench/gpu_run.sh cpu1024   # one 1024x1024 image on the CPU alone
 #   bash bench/gpu_run.sh twogpu    # two GPUs: choice, warning, refusal sum, two-worker batch
+#   bash bench/gpu_run.sh features  # peak vs estimate of img2img/inpaint/hires; step caches
+#   bash bench/gpu_run.sh tiling    # VAE tiling table; 4096x4096 under a figure refusing it untiled
 #
 # Carried: .whl/*.whl (our dependencies and pytest for python3.12), .carry/{redis-server,
 # stable_diffusion_cpp_python-0.4.7.tar.gz}; for the Vulkan stages also .gl/*.deb (Vulkan
@@ -289,10 +291,32 @@ twogpu() {
     nvidia-smi --query-gpu=index,name,memory.used,memory.total --format=csv || true
 }
 
+# The job schema's further parts on CUDA0 with the full-size model: peak against estimate of
+# img2img, inpainting and the hires pass (stage features), then the step caches' speed-up and
+# what they change in the image (bench/step_cache.py).
+features() {
+    ensure
+    suite 200 features --out "$OUT/cuda" --backend cuda --runtime-dir "$CUDA_DIR" \
+        --model "$MODEL" --sizes 512,1024
+    say "step_cache.py, the full-size model at 512x512, 20 steps"
+    on_cuda 200 bench/step_cache.py --model "$MODEL" --size 512 --steps 20 --repeat 3 \
+        --out "$OUT/cuda/step-cache-512.json"
+}
+
+# VAE tiling (bench/vae_tiling.py): peak and time untiled against tiled at 1024, 2048 and
+# 4096, then 4096x4096 on a device whose figure refuses it untiled.
+tiling() {
+    ensure
+    mkdir -p "$OUT/cuda"
+    on_cuda 420 bench/vae_tiling.py --model "$MODEL" --sizes 1024,2048,4096 \
+        --out "$OUT/cuda/vae-tiling.json"
+}
+
 case "$PHASE" in
     setup | bench1 | bench2) ;;
     cuda_recheck | cudafarm | overhead | speedbatch | gputests | cpu1024 | twogpu) ;;
-    *) echo "usage: bash bench/gpu_run.sh setup|bench1|bench2|cuda_recheck|cudafarm|overhead|speedbatch|gputests|cpu1024|twogpu" >&2; exit 2 ;;
+    features | tiling) ;;
+    *) echo "usage: bash bench/gpu_run.sh setup|bench1|bench2|cuda_recheck|cudafarm|overhead|speedbatch|gputests|cpu1024|twogpu|features|tiling" >&2; exit 2 ;;
 esac
 set -o pipefail
 mkdir -p "$OUT"

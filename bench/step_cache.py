@@ -47,14 +47,18 @@ def main() -> int:
             base = {"prompt": "a step cache benchmark", "width": args.size,
                     "height": args.size, "steps": args.steps, "seed": 5}  # fmt: skip
             engine.generate(GenerationParams(**base))  # warm
-            for mode in STEP_CACHES:
-                times, image = [], b""
-                for _ in range(args.repeat):
+            # Round-robin over the modes, so a machine that slows down or speeds up during
+            # the run weighs on every mode alike.
+            times: dict[str, list[float]] = {mode: [] for mode in STEP_CACHES}
+            images: dict[str, bytes] = {}
+            for _ in range(args.repeat):
+                for mode in STEP_CACHES:
                     t = time.perf_counter()
                     r = engine.generate(GenerationParams(**base, step_cache=mode))
-                    times.append(time.perf_counter() - t)
-                    image = r.image.tobytes()
-                rows[mode] = {"seconds": statistics.median(times), "image": image}
+                    times[mode].append(time.perf_counter() - t)
+                    images[mode] = r.image.tobytes()
+            for mode in STEP_CACHES:
+                rows[mode] = {"seconds": statistics.median(times[mode]), "image": images[mode]}
     off = rows["off"]
     print(f"{Path(model).name}, {args.size}x{args.size}, {args.steps} steps, median of "
           f"{args.repeat}")  # fmt: skip

@@ -256,6 +256,7 @@ def child_main(spec: dict[str, Any]) -> int:
             seed=g.get("seed", SEED),
             batch_count=g.get("batch_count", 1),
             cfg_scale=1.0,
+            **job_extras(g.get("params") or {}, w, h),
         )
         row: dict[str, Any] = {
             "group": g.get("group"),
@@ -263,8 +264,10 @@ def child_main(spec: dict[str, Any]) -> int:
             "height": h,
             "steps": params.steps,
             "batch_count": params.batch_count,
-            "estimate": engine.estimate_for(w, h),
+            "estimate": engine.estimate_for(*params.final_size, params.encodes),
         }
+        if g.get("params"):
+            row["params"] = g["params"]
         t = time.perf_counter()
         try:
             r = engine.generate(params)
@@ -294,6 +297,31 @@ def child_main(spec: dict[str, Any]) -> int:
     except Exception as e:  # noqa: BLE001
         part({"disposed": False, "dispose_error": _error_doc(e)})
     return 0
+
+
+def job_extras(extra: dict[str, Any], w: int, h: int) -> dict[str, Any]:
+    """A generation's further job fields as JSON carries them: `init_image: "noise"` and
+    `mask_image: "half"` become a seeded noise PNG and a mask whose left half is redrawn, both
+    w x h (the stage's spec stays JSON; the pixels are made in the child)."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    def png(img: Image.Image) -> bytes:
+        buf = io.BytesIO()
+        img.save(buf, format="PNG")
+        return buf.getvalue()
+
+    out = dict(extra)
+    if out.get("init_image") == "noise":
+        rng = np.random.default_rng(7)
+        out["init_image"] = png(Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)))
+    if out.get("mask_image") == "half":
+        mask = np.zeros((h, w), dtype=np.uint8)
+        mask[:, : w // 2] = 255
+        out["mask_image"] = png(Image.fromarray(mask, mode="L"))
+    return out
 
 
 def merge_parts(lines: Iterable[str]) -> dict[str, Any] | None:

@@ -16,12 +16,13 @@ from .children import _kill_live, _on_term, child_main
 from .harness import Deadline, Runtime, Stage, alias_runtime, error_text
 from .stage_devices import stage_devices
 from .stage_farm import stage_farm
+from .stage_features import stage_features
 from .stage_memory import stage_memory
 from .stage_rules import stage_rules
 from .stage_speed import stage_speed
 from .stage_warmup import stage_warmup
 
-STAGES = ("devices", "rules", "warmup", "speed", "memory", "farm")
+STAGES = ("devices", "rules", "warmup", "speed", "memory", "farm", "features")
 
 RUNNERS = {
     "devices": stage_devices,
@@ -30,6 +31,7 @@ RUNNERS = {
     "speed": stage_speed,
     "memory": stage_memory,
     "farm": stage_farm,
+    "features": stage_features,
 }
 
 
