@@ -312,8 +312,10 @@ class GenerationParams:
         "float", 0.7, "how much the high-resolution pass redraws", lo=0.0, hi=1.0
     )
     step_cache: str = param(
-        "choice", "off", "reuse the model's output across similar steps (faster, a little "
-        "different; for DiT models: easycache, cache_dit, ...)", choices=STEP_CACHES,
+        "choice", "off", "reuse the model's output across similar steps: faster, a little "
+        "different. ucache suits UNet models (SD 1.x/2.x/XL), easycache, dbcache, taylorseer "
+        "and cache_dit DiT models, spectrum both; the runtime ignores a mode the model cannot "
+        "use, with a warning (measured: bench/step_cache.py, docs/gpu.md)", choices=STEP_CACHES,
     )  # fmt: skip
 
     @property
