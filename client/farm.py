@@ -141,6 +141,10 @@ class Farm:
             )
         return out
 
+    def loras(self) -> list[str]:
+        """The names of the LoRAs some live worker has, sorted."""
+        return sorted(farm_loras(self._heartbeats(fresh=True)))
+
     # -- submitting ---------------------------------------------------------------------------
 
     def submit(self, model: str, prompt: str, *, owner: str = "", **fields: Any) -> Job:

@@ -1,4 +1,5 @@
-"""The gateway's HTTP application: the OpenAI images API, the jobs API, devices, health and
+"""The gateway's HTTP application: the OpenAI images API, AUTOMATIC1111's API, the jobs API,
+devices, health and
 Prometheus metrics, all over one `Farm` (through its Store; the gateway holds no state of its
 own but the ids of the jobs it submitted, for the status page) and, for what the event loop
 reads itself (server-sent events, health), an `AsyncStore` (sdfarm.store.aio).
@@ -23,7 +24,7 @@ from fastapi import FastAPI
 from fastapi.routing import APIRoute
 
 from sdfarm.client.farm import Farm
-from sdfarm.gateway import routes_farm, routes_jobs, routes_openai
+from sdfarm.gateway import routes_a1111, routes_farm, routes_jobs, routes_openai
 from sdfarm.gateway.auth import Gate
 from sdfarm.gateway.bodylimit import BodyLimit
 from sdfarm.gateway.errors import APIError, add_handlers
@@ -33,7 +34,7 @@ from sdfarm.store.aio import AsyncStore
 
 DEFAULT_TIMEOUT_S = 600.0
 DEFAULT_RATE_PER_MINUTE = 600.0
-ROUTERS = (routes_openai.router, routes_jobs.router, routes_farm.router)
+ROUTERS = (routes_openai.router, routes_jobs.router, routes_farm.router, routes_a1111.router)
 AIO_OPTIONS = {"socket_connect_timeout": 5.0, "socket_timeout": 30.0}
 
 GATEWAY_RETRY_S = 2.0

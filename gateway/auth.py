@@ -11,7 +11,8 @@ The rules:
 
 - No token configured (the gateway then serves only on loopback, `sdfarm.gateway.cli`):
   everything is open, as one farm-wide view; each client address gets the rate limit.
-- Tokens configured: every endpoint but /healthz needs `Authorization: Bearer <token>`, the
+- Tokens configured: every endpoint but /healthz needs `Authorization: Bearer <token>` (or
+  HTTP Basic with the token as the password, as A1111 clients send it), the
   status page and its JSON too, loopback clients included (a browser gets a session cookie
   from `GET /?token=<token>`: `session_cookie`). A job submitted with a token records the
   token's fingerprint as its owner (`fingerprint`, never the token); a normal token sees and
@@ -24,6 +25,7 @@ The rules:
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import hmac
 import ipaddress
@@ -166,6 +168,9 @@ class Gate:
         if scheme.lower() == "bearer" and given.strip():
             caller = self._token_caller(given.strip())
             code, why = "invalid_api_key", "invalid bearer token"
+        elif scheme.lower() == "basic" and given.strip():
+            caller = self._token_caller(basic_password(given.strip()))
+            code, why = "invalid_api_key", "invalid token (HTTP Basic: the password is the token)"
         else:
             code, why = "missing_api_key", MISSING
             session = request.cookies.get(SESSION_COOKIE) if cookie else None
@@ -242,6 +247,16 @@ class Gate:
         """The image's path, relative to the gateway's base URL, signed when tokens are on."""
         q = f"i={i}" + (f"&sig={self.sign(job_id, i)}" if self.tokens_on else "")
         return f"v1/jobs/{job_id}/image.png?{q}"
+
+
+def basic_password(credentials: str) -> str:
+    """The password of HTTP Basic credentials ("" when malformed): A1111 clients send their
+    `--api-auth user:password` that way, and the gateway reads the password as the token."""
+    try:
+        text = base64.b64decode(credentials, validate=True).decode("utf-8")
+    except (ValueError, UnicodeDecodeError):
+        return ""
+    return text.partition(":")[2]
 
 
 def gate(request: Request) -> Gate:

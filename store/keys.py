@@ -24,6 +24,7 @@ only ones without a TTL; each is bounded (a capped list, a set of devices, a has
 | `wake` | list | - | nudges for the scheduler, at most WAKE_CAP (all) |
 | `config` | hash | - | `queue_limit`, `backlog` (scheduler) |
 | `recent` | list | - | the last RECENT_CAP finished job ids, newest first (worker) |
+| `prefs` | hash | - | `{owner}:{name}` -> a caller's setting, e.g. its default model (gateway) |
 
 The Celery queues (`sdfarm.{host}.{device}` and kombu's priority lists) are named in
 `sdfarm.store.transport`, the one module that knows Celery's wire format.
@@ -113,6 +114,7 @@ DEVICES_KEY = key("devices")
 WAKE_KEY = key("wake")
 CONFIG_KEY = key("config")
 RECENT_KEY = key("recent")
+PREFS_KEY = key("prefs")
 
 FARM_WIDE = (
     key("pending", ""),
@@ -122,6 +124,7 @@ FARM_WIDE = (
     WAKE_KEY,
     CONFIG_KEY,
     RECENT_KEY,
+    PREFS_KEY,
 )
 """The keys without a TTL (a name, or a prefix ending in ':'), each bounded as the table says."""
 

@@ -38,6 +38,7 @@ from sdfarm.store.keys import (
     JOB_TTL,
     LEADER_KEY,
     PENDING_COUNT_KEY,
+    PREFS_KEY,
     PRIORITIES,
     RECENT_CAP,
     RECENT_KEY,
@@ -524,6 +525,15 @@ class Store:
     def publish_config(self, queue_limit: int, backlog: int) -> None:
         """What clients read of the leader's configuration (the queue limit)."""
         self.r.hset(CONFIG_KEY, mapping={"queue_limit": queue_limit, "backlog": backlog})
+
+    def preference(self, owner: str, name: str) -> str | None:
+        """A caller's setting (`owner`: a token's fingerprint, "" on an open gateway), or None.
+        Bounded by the tokens and the few names the gateway sets (PREFS_KEY)."""
+        raw = self.r.hget(PREFS_KEY, f"{owner}:{name}")
+        return raw.decode() if raw is not None else None
+
+    def set_preference(self, owner: str, name: str, value: str) -> None:
+        self.r.hset(PREFS_KEY, f"{owner}:{name}", value)
 
     def wait_for_wake(self, timeout: float) -> None:
         """Block until something nudges the scheduler (a submit, a freed device) or timeout."""

@@ -1,0 +1,222 @@
+"""AUTOMATIC1111's web UI API (`/sdapi/v1/...`) over the farm, so the image tools, bots and
+plugins that speak it (the `webuiapi` package among them) work unchanged. The translation is
+sdfarm.gateway.a1111; jobs go through the farm like any other (placement, priorities, fair
+share, cancel), owned by the caller's token.
+
+A1111 serves one user's one checkpoint; here each token has its own default model (POST
+/sdapi/v1/options with `sd_model_checkpoint`, kept in the store), a request can name one in
+`override_settings`, and otherwise the farm's first model by name is used. `progress` and
+`interrupt` concern the caller's jobs that this gateway process submitted. A1111 clients send
+`--api-auth` credentials as HTTP Basic: the password is the token (sdfarm.gateway.auth).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Depends, Request
+
+from sdfarm.client.farm import Farm, JobFailed
+from sdfarm.gateway import a1111
+from sdfarm.gateway.auth import Caller, caller, require_token
+from sdfarm.gateway.errors import APIError, _errors, _farm_error
+from sdfarm.gateway.routes_openai import failure_reason
+from sdfarm.gateway.schemas import decode_image, json_body
+
+router = APIRouter(prefix="/sdapi/v1", dependencies=[Depends(require_token)])
+MODEL_PREF = "sd_model_checkpoint"
+LIVE = ("queued", "placed", "running")
+
+
+def _object(body: Any) -> dict[str, Any]:
+    if not isinstance(body, dict):
+        raise APIError(400, "the body must be a JSON object", code="invalid_json")
+    return body
+
+
+def _models(farm: Farm) -> list[str]:
+    try:
+        return sorted(m["name"] for m in farm.models())
+    except Exception as exc:  # noqa: BLE001
+        raise _farm_error(exc) from None
+
+
+def _model_for(request: Request, body: dict[str, Any]) -> str:
+    """The request's checkpoint: `override_settings`, else the caller's default, else the
+    farm's first model by name."""
+    farm: Farm = request.app.state.farm
+    named = (body.get("override_settings") or {}).get(MODEL_PREF)
+    if named:
+        return a1111.model_name(named)
+    try:
+        chosen = farm.store.preference(caller(request).owner, MODEL_PREF)
+    except Exception as exc:  # noqa: BLE001
+        raise _farm_error(exc) from None
+    if chosen:
+        return chosen
+    models = _models(farm)
+    if not models:
+        raise APIError(503, "no worker of the farm is up: no model to use", code="no_model")
+    return models[0]
+
+
+def _generate(request: Request, body: dict[str, Any], *, img2img: bool) -> dict[str, Any]:
+    farm: Farm = request.app.state.farm
+    try:
+        fields = a1111.job_fields(body, img2img=img2img)
+        if img2img:
+            fields["init_image"] = decode_image("init_images", fields["init_image"])
+            if "mask_image" in fields:
+                mask = decode_image("mask", fields["mask_image"])
+                fields["mask_image"] = a1111.prepare_mask(
+                    mask, bool(body.get("inpainting_mask_invert")), int(body.get("mask_blur") or 0)
+                )
+        model = _model_for(request, body)
+        prompt = fields.pop("prompt")
+        job = farm.submit(model, prompt, owner=caller(request).owner, submitter="a1111", **fields)
+        request.app.state.recent.add(job.id)
+        result = job.result(request.app.state.timeout_s)
+    except JobFailed as exc:
+        raise _farm_error(exc, reason=failure_reason(farm, exc.job_id)) from None
+    except Exception as exc:  # noqa: BLE001 - every error becomes an HTTP error
+        raise _farm_error(exc) from None
+    return a1111.answer(result.pngs, result.metadata, model, body)
+
+
+@router.post("/txt2img", responses=_errors(400, 401, 404, 409, 413, 429, 500, 503, 504, 507))
+def txt2img(request: Request, body: Any = Depends(json_body)) -> Any:  # noqa: B008
+    return _generate(request, _object(body), img2img=False)
+
+
+@router.post("/img2img", responses=_errors(400, 401, 404, 409, 413, 429, 500, 503, 504, 507))
+def img2img(request: Request, body: Any = Depends(json_body)) -> Any:  # noqa: B008
+    return _generate(request, _object(body), img2img=True)
+
+
+@router.get("/sd-models", responses=_errors(401, 503))
+def sd_models(request: Request) -> Any:
+    return [
+        {"title": n, "model_name": n, "hash": None, "sha256": None, "filename": n, "config": None}
+        for n in _models(request.app.state.farm)
+    ]
+
+
+@router.get("/samplers", responses=_errors(401))
+def samplers() -> Any:
+    return a1111.samplers_doc()
+
+
+@router.get("/schedulers", responses=_errors(401))
+def schedulers() -> Any:
+    return a1111.schedulers_doc()
+
+
+@router.get("/loras", responses=_errors(401, 503))
+def loras(request: Request) -> Any:
+    farm: Farm = request.app.state.farm
+    try:
+        names = farm.loras()
+    except Exception as exc:  # noqa: BLE001
+        raise _farm_error(exc) from None
+    return [{"name": n, "alias": n, "path": n, "metadata": {}} for n in names]
+
+
+@router.get("/upscalers", responses=_errors(401))
+def upscalers() -> Any:
+    """The hires pass's upscalers (latent space only: see a1111.LATENT_UPSCALERS)."""
+    rows = [{"name": "None", "model_name": None, "model_path": None, "model_url": None,
+             "scale": 4}]  # fmt: skip
+    rows += [
+        {"name": n, "model_name": None, "model_path": None, "model_url": None, "scale": 2}
+        for n in a1111.LATENT_UPSCALERS
+    ]
+    return rows
+
+
+@router.get("/scripts", responses=_errors(401))
+def scripts() -> Any:
+    """No scripts: clients (webuiapi) read this to learn which extensions they may use."""
+    return {"txt2img": [], "img2img": []}
+
+
+@router.get("/options", responses=_errors(401, 503))
+def get_options(request: Request) -> Any:
+    model = _model_for(request, {})
+    return {MODEL_PREF: model, "sd_checkpoint_hash": None, "samples_format": "png",
+            "CLIP_stop_at_last_layers": 1}  # fmt: skip
+
+
+@router.post("/options", responses=_errors(400, 401, 404, 503))
+def set_options(request: Request, body: Any = Depends(json_body)) -> Any:  # noqa: B008
+    """Only `sd_model_checkpoint` can be set (for the caller's token); another option is
+    refused by name."""
+    body = _object(body)
+    other = sorted(set(body) - {MODEL_PREF})
+    if other:
+        raise APIError(
+            400,
+            f"option {other[0]!r} cannot be set here; only {MODEL_PREF} (this token's model)",
+            param=other[0],
+            code="invalid_parameter",
+        )
+    if MODEL_PREF in body:
+        farm: Farm = request.app.state.farm
+        model = a1111.model_name(body[MODEL_PREF])
+        models = _models(farm)
+        if model not in models:
+            raise APIError(
+                404,
+                f"unknown model {model!r}; the farm has {', '.join(models) or 'none'}",
+                param=MODEL_PREF,
+                code="model_not_found",
+            )
+        try:
+            farm.store.set_preference(caller(request).owner, MODEL_PREF, model)
+        except Exception as exc:  # noqa: BLE001
+            raise _farm_error(exc) from None
+    return None
+
+
+def _live_jobs(request: Request, who: Caller) -> list[tuple[str, str]]:
+    """(id, state) of the caller's jobs this gateway submitted, newest first, with states."""
+    farm: Farm = request.app.state.farm
+    ids = request.app.state.recent.ids()
+    try:
+        rows = farm.store.jobs_fields(ids, ("state", "owner"))
+    except Exception as exc:  # noqa: BLE001
+        raise _farm_error(exc) from None
+    return [(i, st) for i, (st, owner) in zip(ids, rows, strict=True) if st and who.may_see(owner)]
+
+
+@router.get("/progress", responses=_errors(401, 503))
+def progress(request: Request) -> Any:
+    farm: Farm = request.app.state.farm
+    jobs = _live_jobs(request, caller(request))
+    live = [(i, st) for i, st in jobs if st in LIVE]
+    if not live:
+        return a1111.progress_doc(None, jobs[0][1] if jobs else None)
+    job_id, state = live[0]
+    try:
+        prog = farm.job(job_id).progress()
+    except Exception as exc:  # noqa: BLE001
+        raise _farm_error(exc) from None
+    return a1111.progress_doc(prog, state)
+
+
+@router.post("/interrupt", responses=_errors(401, 503))
+def interrupt(request: Request) -> Any:
+    """Cancel the caller's live jobs (queued, placed or running) that this gateway submitted."""
+    farm: Farm = request.app.state.farm
+    for job_id, state in _live_jobs(request, caller(request)):
+        if state in LIVE:
+            try:
+                farm.cancel(job_id)
+            except Exception as exc:  # noqa: BLE001
+                raise _farm_error(exc) from None
+    return {}
+
+
+@router.post("/skip", responses=_errors(401, 503))
+def skip(request: Request) -> Any:
+    """A1111 skips the current image of a batch; a farm job is one call: cancelled."""
+    return interrupt(request)
