@@ -12,7 +12,8 @@ at all the gateway serves only on a loopback address, open to every local client
 anywhere else without a token is refused before anything listens.
 
 The rate limit (--rate-limit requests a minute) is counted per token, else per client address;
-a failed authentication counts against the address. The address is the TCP peer: behind a
+a failed authentication counts against the address. The counts live in the farm's Redis, so
+every gateway replica in front of one farm enforces one limit. The address is the TCP peer: behind a
 reverse proxy, give the proxy's address with --trusted-proxy CIDR (repeatable; default none)
 and the client's address is then read from X-Forwarded-For as that proxy wrote it. Never trust
 a proxy that does not overwrite or append to X-Forwarded-For itself.
@@ -102,7 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"a bearer token that sees every job (repeatable; +${ENV_OPERATOR_TOKENS})",
     )
     p.add_argument(
-        "--timeout", type=float, default=600.0, help="seconds /v1/images/generations waits"
+        "--timeout", type=float, default=600.0, help="seconds /v1/images/generations and edits wait"
     )
     p.add_argument(
         "--rate-limit",

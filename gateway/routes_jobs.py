@@ -90,15 +90,24 @@ def get_job(request: Request, job_id: str) -> Any:
     return doc
 
 
+async def image_reader(request: Request, job_id: str, i: int = 0, sig: str = "") -> Caller:
+    """Dependency of an image: OPEN for a signed URL, else the token's Caller (rate-limited)."""
+    g = gate(request)
+    return OPEN if g.signed(job_id, i, sig) else await g.authorize(request)
+
+
 @router.get(
     "/v1/jobs/{job_id}/image.png",
     responses={200: {"content": {"image/png": {}}}, **_errors(401, 404, 409, 503)},
 )
-def get_image(request: Request, job_id: str, i: int = 0, sig: str = "") -> Any:
+def get_image(
+    request: Request,
+    job_id: str,
+    i: int = 0,
+    who: Caller = Depends(image_reader),  # noqa: B008
+) -> Any:
     """By a signed URL (the gateway signs only URLs it hands to the job's owner), or by a
     token that may see the job."""
-    g = gate(request)
-    who = OPEN if g.signed(job_id, i, sig) else g.authorize(request)
     farm: Farm = request.app.state.farm
     state = job_or_404(farm, job_id, who).state()
     if state != "done":

@@ -16,6 +16,7 @@ only ones without a TTL; each is bounded (a capped list, a set of devices, a has
 | `done:{id}` | list | RESULT_TTL | one token once the job ended; waiters block on it (all) |
 | `hb:{host}/{device}` | string | HEARTBEAT_TTL | the device's heartbeat (worker) |
 | `leader` | string | the lease | the active scheduler's token (scheduler) |
+| `rate:{...}` | string | 2 windows | a caller's count in one rate window (gateway, `limits`) |
 | farm-wide, no TTL: | | | |
 | `pending:{priority}` | list | - | ids of jobs waiting to be placed, 0 first (client, scheduler) |
 | `pending:count` | string | - | how many jobs wait; the queue limit counts these |
@@ -107,6 +108,11 @@ def device_key(host: str, device: str) -> str:
     return f"{host}/{device}"
 
 
+RATE_PREFIX = key("rate")
+"""The gateway's rate-limit counters: the `limits` package names them below this prefix
+(`sdfarm:rate:{gateway/<caller>/<n>/<seconds>/second}`, and that with `/-1`: its sliding
+window's current and previous counts) and sets their TTLs itself (two windows); see
+sdfarm.gateway.ratelimit."""
 LEADER_KEY = key("leader")
 PENDING_COUNT_KEY = key("pending", "count")
 DEVICES_KEY = key("devices")
