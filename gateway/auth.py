@@ -17,6 +17,8 @@ The rules:
   token's fingerprint as its owner (`fingerprint`, never the token); a normal token sees and
   cancels only its own jobs (another owner's job answers 404, as an unknown one); an operator
   token sees everything.
+- A token may have at most `job_quota` live jobs (queued, placed or running) when one is set;
+  the farm's Redis counts them, so every replica agrees (Store.submit refuses atomically).
 - The rate limit is keyed on the authenticated token, else on the client's address; a failed
   authentication counts against that address. The address is the TCP peer, or, when the peer
   is a trusted proxy (`trusted_proxies`), the nearest untrusted address X-Forwarded-For names.
@@ -100,7 +102,8 @@ def _ip(text: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
 class Gate:
     """The tokens (none: an open gateway, limited per client address), the operator tokens,
     the trusted proxies and the rate limit, counted in `rate_storage` (a Redis URL: shared by
-    every gateway on it; MEMORY: this process only)."""
+    every gateway on it; MEMORY: this process only), and `job_quota`: the live jobs a token
+    may have at once (0: no limit; kept in the farm's Redis, sdfarm.store's `owned:` sets)."""
 
     def __init__(
         self,
@@ -110,6 +113,7 @@ class Gate:
         operator_tokens: Sequence[str] = (),
         trusted_proxies: Sequence[str] = (),
         rate_storage: str = MEMORY,
+        job_quota: int = 0,
     ) -> None:
         operators = [t for t in operator_tokens if t]
         normal = [t for t in tokens if t and t not in operators]
@@ -119,6 +123,7 @@ class Gate:
         self._by_owner = {c.owner: c for _, c in self._tokens}
         self.rate_per_minute = rate_per_minute
         self.limiter = RateLimiter(rate_per_minute, rate_storage)
+        self.job_quota = max(0, job_quota)
         self.trusted = parse_networks(trusted_proxies)
         self._url_key = _url_key([*normal, *operators])
 
@@ -249,6 +254,12 @@ class Gate:
 
 def gate(request: Request) -> Gate:
     return request.app.state.gate
+
+
+def job_quota(request: Request) -> int:
+    """The live-jobs quota of the request's caller: the gate's, for a token; none (0) on an
+    open gateway, whose callers have no owner to count for."""
+    return gate(request).job_quota if caller(request).owner else 0
 
 
 def caller(request: Request) -> Caller:

@@ -18,7 +18,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response, StreamingResponse
 
 from sdfarm.client.farm import Farm, Job
-from sdfarm.gateway.auth import OPEN, Caller, caller, gate, require_token
+from sdfarm.gateway.auth import OPEN, Caller, caller, gate, job_quota, require_token
 from sdfarm.gateway.errors import APIError, _errors, _farm_error, scrub_paths
 from sdfarm.gateway.schemas import JobRequest, body_doc, json_body, parse, submit_args
 from sdfarm.gateway.sse import stream
@@ -55,7 +55,9 @@ def job_or_404(farm: Farm, job_id: str, who: Caller) -> Job:
 def create_job(request: Request, body: Any = Depends(json_body)) -> Any:  # noqa: B008
     model, prompt, kwargs = submit_args(parse(JobRequest, body).model_dump())
     try:
-        job = request.app.state.farm.submit(model, prompt, owner=caller(request).owner, **kwargs)
+        job = request.app.state.farm.submit(
+            model, prompt, owner=caller(request).owner, quota=job_quota(request), **kwargs
+        )
     except Exception as exc:  # noqa: BLE001
         raise _farm_error(exc) from None
     request.app.state.recent.add(job.id)

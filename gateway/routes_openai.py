@@ -14,7 +14,7 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request
 
 from sdfarm.client.farm import Farm, JobFailed
-from sdfarm.gateway.auth import caller, gate, require_token
+from sdfarm.gateway.auth import caller, gate, job_quota, require_token
 from sdfarm.gateway.edits import IMAGE, MASK, EditForm, auto_size, checked_images, form_body
 from sdfarm.gateway.errors import DEADLINE, APIError, _errors, _farm_error
 from sdfarm.gateway.schemas import (
@@ -98,7 +98,9 @@ def _run(
     kwargs.update(images or {})
     farm: Farm = request.app.state.farm
     try:
-        job = farm.submit(model, prompt, owner=caller(request).owner, **kwargs)
+        job = farm.submit(
+            model, prompt, owner=caller(request).owner, quota=job_quota(request), **kwargs
+        )
         request.app.state.recent.add(job.id)
         result = job.result(request.app.state.timeout_s)
     except JobFailed as exc:

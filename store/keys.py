@@ -14,6 +14,7 @@ only ones without a TTL; each is bounded (a capped list, a set of devices, a has
 | `result:{id}` | hash | RESULT_TTL | `png:{i}`, `count`, `meta`, `records` (worker) |
 | `input:{id}` | hash | JOB_TTL, then RESULT_TTL | the job's input images by name (client) |
 | `done:{id}` | list | RESULT_TTL | one token once the job ended; waiters block on it (all) |
+| `owned:{owner}` | zset | JOB_TTL | an owner's jobs admitted under a live-jobs quota (client) |
 | `hb:{host}/{device}` | string | HEARTBEAT_TTL | the device's heartbeat (worker) |
 | `leader` | string | the lease | the active scheduler's token (scheduler) |
 | `rate:{...}` | string | 2 windows | a caller's count in one rate window (gateway, `limits`) |
@@ -84,6 +85,17 @@ def done_key(job_id: str) -> str:
 
 def input_key(job_id: str) -> str:
     return key("input", job_id)
+
+
+JOB_PREFIX = key("job", "")
+"""`job:` ids are appended to (the scripts that read other jobs' records: submit's quota)."""
+
+
+def owned_key(owner: str) -> str:
+    """The jobs `owner` (a gateway token's fingerprint) submitted under a live-jobs quota: ids
+    scored by submit time, ended ones pruned at its next submit, so it holds at most the
+    quota; JOB_TTL from its last submit."""
+    return key("owned", owner)
 
 
 def job_keys(job_id: str) -> list[str]:

@@ -1,7 +1,9 @@
-"""The rate limit is one limit for every gateway on a farm: two `sdfarm gateway` processes on
-one real redis-server count a token's requests together (the N+1th across both is a 429 with a
-Retry-After that is true), another token keeps its own count, and the counters are keys under
-the store's rate prefix, named by the token's fingerprint, each with a TTL."""
+"""The rate limit and the live-jobs quota are one limit for every gateway on a farm: two
+`sdfarm gateway` processes on one real redis-server count a token's requests together (the
+N+1th across both is a 429 with a Retry-After that is true) and its live jobs together (the
+quota+1th is a 429 until one of its jobs ends); another token keeps its own counts; the rate
+counters are keys under the store's rate prefix, named by the token's fingerprint, each with a
+TTL."""
 
 from __future__ import annotations
 
@@ -22,13 +24,14 @@ from helpers.gateway import free_port
 TOKEN_A, TOKEN_B = "shared-limit-a", "shared-limit-b"
 PER_MINUTE = 60  # bursts of 10 in any 10 s
 BURST = 10
+MAX_JOBS = 2
 
 
 def _start(redis_url: str) -> tuple[subprocess.Popen[bytes], str]:
     port = free_port()
     args = [sys.executable, "-m", "sdfarm.gateway.cli", "--redis", redis_url, "--port",
             str(port), "--token", TOKEN_A, "--token", TOKEN_B, "--rate-limit", str(PER_MINUTE),
-            "--log-level", "warning"]  # fmt: skip
+            "--max-jobs", str(MAX_JOBS), "--log-level", "warning"]  # fmt: skip
     proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     return proc, f"http://127.0.0.1:{port}"
 
@@ -83,3 +86,27 @@ def test_two_gateways_enforce_one_limit(gateways: list[str], redis_url: str) -> 
 
     time.sleep(retry)  # Retry-After is true: then a request passes again, on either gateway
     assert _get(two, TOKEN_A).status_code == 200
+
+
+def _submit(url: str, token: str) -> httpx.Response:
+    """A job of a model no worker serves yet: it stays queued (live) until cancelled."""
+    body = {"model": "m", "prompt": "x", "width": 64, "height": 64, "steps": 1}
+    auth = {"Authorization": f"Bearer {token}"}
+    return httpx.post(f"{url}/v1/jobs", json=body, headers=auth, timeout=10)
+
+
+def test_two_gateways_enforce_one_live_jobs_quota(gateways: list[str]) -> None:
+    one, two = gateways
+    first, second = _submit(one, TOKEN_A), _submit(two, TOKEN_A)
+    assert first.status_code == second.status_code == 202, first.text
+    over = _submit(one, TOKEN_A)  # `one` admitted only one of them
+    assert over.status_code == 429 and over.json()["error"]["code"] == "quota_exceeded"
+    assert int(over.headers["Retry-After"]) >= 1
+    assert _submit(two, TOKEN_A).status_code == 429
+    assert _submit(one, TOKEN_B).status_code == 202  # another token: its own quota
+    job_id = first.json()["id"]
+    auth = {"Authorization": f"Bearer {TOKEN_A}"}
+    gone = httpx.delete(f"{two}/v1/jobs/{job_id}", headers=auth, timeout=10)
+    assert gone.status_code == 200 and gone.json()["state"] == "cancelled"
+    assert _submit(one, TOKEN_A).status_code == 202  # a job ended: room for one more
+    assert _submit(two, TOKEN_A).status_code == 429
