@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from sdfarm.scheduler.fairness import FarmBusyError
+from sdfarm.store.store import QuotaExceededError
 
 __all__ = [
     "FarmBusyError",
@@ -12,6 +13,7 @@ __all__ = [
     "FarmFullError",
     "JobCancelled",
     "JobFailed",
+    "QuotaExceededError",
     "UnknownModelError",
 ]
 

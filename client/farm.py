@@ -25,6 +25,7 @@ from sdfarm.client.errors import (
     FarmFullError,
     JobCancelled,
     JobFailed,
+    QuotaExceededError,
     UnknownModelError,
 )
 from sdfarm.client.job import DEADLINE_GRACE_S, WAIT_SLICE_S, Job, Result
@@ -61,6 +62,7 @@ __all__ = [
     "Job",
     "JobCancelled",
     "JobFailed",
+    "QuotaExceededError",
     "Result",
     "UnknownModelError",
 ]
@@ -147,14 +149,16 @@ class Farm:
 
     # -- submitting ---------------------------------------------------------------------------
 
-    def submit(self, model: str, prompt: str, *, owner: str = "", **fields: Any) -> Job:
+    def submit(
+        self, model: str, prompt: str, *, owner: str = "", quota: int = 0, **fields: Any
+    ) -> Job:
         """Queue one job of `model`. `fields` are the generation parameters (every field of
         sdfarm.native.params.GenerationParams) and the job options (JobOptions), both listed
         below (an input image as bytes or a file path); `owner` marks who may read the job
-        back through the gateway. InvalidParameterError before anything is queued (an unknown
-        name included);
+        back through the gateway, and with `quota` > 0 may have that many live jobs at once.
+        InvalidParameterError before anything is queued (an unknown name included);
         UnknownModelError when workers are up and none has `model`; FarmBusyError at the
-        queue limit."""
+        queue limit; QuotaExceededError when the owner is at its quota."""
         options = {k: fields.pop(k) for k in OPTION_NAMES if k in fields}
         unknown = sorted(set(fields) - set(NAMES))
         if unknown:
@@ -168,12 +172,14 @@ class Farm:
         params, inputs = detach_images(checked)
         spec = JobSpec(model=model, params=params, owner=owner, **asdict(opts))
         spec = replace(spec, submitter=opts.submitter or self.submitter)
-        return self.submit_spec(spec, inputs)
+        return self.submit_spec(spec, inputs, quota)
 
-    def submit_spec(self, spec: JobSpec, inputs: Mapping[str, bytes] | None = None) -> Job:
+    def submit_spec(
+        self, spec: JobSpec, inputs: Mapping[str, bytes] | None = None, quota: int = 0
+    ) -> Job:
         """Queue a JobSpec whose params and options are already validated, with its input
         images (`detach_images`) beside it; its test hook passes through to workers that
-        honour hooks. Checks the model against the farm."""
+        honour hooks. Checks the model against the farm; `quota`: as `submit`'s."""
         if not isinstance(spec.model, str) or not spec.model:
             raise InvalidParameterError("model", "give a model name")
         self._check_model(spec.model)
@@ -181,7 +187,7 @@ class Farm:
         job_id = new_job_id()  # the same id on every try: a retry never queues twice
         try:
             queued, depth, limit = self.retry(
-                lambda: self.store.submit(spec, DEFAULT_QUEUE_LIMIT, job_id, inputs)
+                lambda: self.store.submit(spec, DEFAULT_QUEUE_LIMIT, job_id, inputs, quota)
             )
         except redis.OutOfMemoryError as exc:
             why = self.store.refusing_writes() or f"Redis refused the write ({exc})"

@@ -78,6 +78,8 @@ def create_app(
     rate_per_minute: float = DEFAULT_RATE_PER_MINUTE,
     trusted_proxies: Sequence[str] = (),
     allowed_hosts: Sequence[str] = LOCAL_HOSTS,
+    rate_storage: str | None = None,
+    max_jobs_per_token: int = 0,
 ) -> FastAPI:
     """The gateway over the farm at `redis_url`. With `tokens` or `operator_tokens`, every
     endpoint except /healthz needs `Authorization: Bearer <token>` (image URLs the gateway
@@ -85,14 +87,20 @@ def create_app(
     sees only the jobs it submitted, an operator token every job (sdfarm.gateway.auth).
     Each token (or, without one, each client address: the peer, or what X-Forwarded-For says
     when the peer is in `trusted_proxies`, CIDRs) gets `rate_per_minute` API requests a
-    minute, in bursts of 10 s' worth; beyond that: 429 with Retry-After. A request whose Host
-    header is not in `allowed_hosts` (names, "*.suffix", or "*" for any) gets 400."""
+    minute, in bursts of 10 s' worth; beyond that: 429 with Retry-After. The counts live in
+    `rate_storage`, by default the farm's Redis, so every gateway on one farm shares one limit
+    ("memory://": this process only). With `max_jobs_per_token`, a token may have that many
+    live jobs (queued, placed, running) at once, counted in the farm's Redis; a submit beyond
+    it: 429 quota_exceeded with Retry-After. A request whose Host header is not in `allowed_hosts`
+    (names, "*.suffix", or "*" for any) gets 400."""
     app = FastAPI(title="sdfarm gateway", version="0.1.0", lifespan=_lifespan)
     app.state.gate = Gate(
         tokens,
         rate_per_minute,
         operator_tokens=operator_tokens,
         trusted_proxies=trusted_proxies,
+        rate_storage=rate_storage or redis_url,
+        job_quota=max_jobs_per_token,
     )
     # A request does not hang on a Redis that is away: 503 after a short wait, not 30 s.
     app.state.farm = farm or Farm(redis_url, submitter="gateway", retry_s=GATEWAY_RETRY_S)
@@ -112,6 +120,7 @@ def create_app(
 async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     yield
     await app.state.aio.close()
+    await app.state.gate.limiter.close()
 
 
 def _openapi(app: FastAPI) -> dict[str, Any]:

@@ -18,9 +18,12 @@ The rules:
   token's fingerprint as its owner (`fingerprint`, never the token); a normal token sees and
   cancels only its own jobs (another owner's job answers 404, as an unknown one); an operator
   token sees everything.
+- A token may have at most `job_quota` live jobs (queued, placed or running) when one is set;
+  the farm's Redis counts them, so every replica agrees (Store.submit refuses atomically).
 - The rate limit is keyed on the authenticated token, else on the client's address; a failed
   authentication counts against that address. The address is the TCP peer, or, when the peer
   is a trusted proxy (`trusted_proxies`), the nearest untrusted address X-Forwarded-For names.
+  Its counts live in the farm's Redis (sdfarm.gateway.ratelimit), so replicas share one limit.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ from dataclasses import dataclass
 from fastapi import Request
 
 from sdfarm.gateway.errors import APIError
-from sdfarm.gateway.ratelimit import RateLimiter
+from sdfarm.gateway.ratelimit import MEMORY, RateLimiter
 
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 SESSION_COOKIE = "sdfarm_session"
@@ -100,7 +103,9 @@ def _ip(text: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
 
 class Gate:
     """The tokens (none: an open gateway, limited per client address), the operator tokens,
-    the trusted proxies and the rate limit."""
+    the trusted proxies and the rate limit, counted in `rate_storage` (a Redis URL: shared by
+    every gateway on it; MEMORY: this process only), and `job_quota`: the live jobs a token
+    may have at once (0: no limit; kept in the farm's Redis, sdfarm.store's `owned:` sets)."""
 
     def __init__(
         self,
@@ -109,6 +114,8 @@ class Gate:
         *,
         operator_tokens: Sequence[str] = (),
         trusted_proxies: Sequence[str] = (),
+        rate_storage: str = MEMORY,
+        job_quota: int = 0,
     ) -> None:
         operators = [t for t in operator_tokens if t]
         normal = [t for t in tokens if t and t not in operators]
@@ -117,7 +124,8 @@ class Gate:
         ] + [(t.encode(), Caller(fingerprint(t), True)) for t in operators]
         self._by_owner = {c.owner: c for _, c in self._tokens}
         self.rate_per_minute = rate_per_minute
-        self.limiter = RateLimiter(rate_per_minute)
+        self.limiter = RateLimiter(rate_per_minute, rate_storage)
+        self.job_quota = max(0, job_quota)
         self.trusted = parse_networks(trusted_proxies)
         self._url_key = _url_key([*normal, *operators])
 
@@ -156,12 +164,12 @@ class Gate:
                 found = caller
         return found
 
-    def authorize(self, request: Request, *, cookie: bool = False) -> Caller:
+    async def authorize(self, request: Request, *, cookie: bool = False) -> Caller:
         """The Caller of a request with a valid bearer token (or, with `cookie`, a valid
         session cookie) within its rate, or of any request on an open gateway; APIError 401
         or 429 otherwise. A failed authentication counts against the client's address."""
         if not self.tokens_on:
-            self._limit("addr:" + self.client_address(request))
+            await self._limit("addr:" + self.client_address(request))
             return OPEN
         scheme, _, given = request.headers.get("authorization", "").partition(" ")
         caller = None
@@ -178,13 +186,13 @@ class Gate:
                 caller = self.session_caller(session)
                 code, why = "invalid_api_key", "invalid or expired session: sign in again"
         if caller is None:
-            self._limit("addr:" + self.client_address(request))
+            await self._limit("addr:" + self.client_address(request))
             raise APIError(401, why, type="authentication_error", code=code)
-        self._limit("token:" + caller.owner)
+        await self._limit("token:" + caller.owner)
         return caller
 
-    def _limit(self, key: str) -> None:
-        wait = self.limiter.take(key)
+    async def _limit(self, key: str) -> None:
+        wait = await self.limiter.take(key)
         if wait > 0:
             raise APIError(
                 429,
@@ -197,16 +205,16 @@ class Gate:
 
     # -- the status page's session -------------------------------------------------------------
 
-    def token_caller(self, request: Request, token: str) -> Caller:
+    async def token_caller(self, request: Request, token: str) -> Caller:
         """The Caller of `token` given by hand (the status page's sign-in), counted as an
         authentication; APIError 401 or 429 otherwise."""
         caller = self._token_caller(token) if token else None
         if caller is None:
-            self._limit("addr:" + self.client_address(request))
+            await self._limit("addr:" + self.client_address(request))
             raise APIError(
                 401, "invalid token", type="authentication_error", code="invalid_api_key"
             )
-        self._limit("token:" + caller.owner)
+        await self._limit("token:" + caller.owner)
         return caller
 
     def session_cookie(self, caller: Caller, now: float | None = None) -> str:
@@ -263,6 +271,12 @@ def gate(request: Request) -> Gate:
     return request.app.state.gate
 
 
+def job_quota(request: Request) -> int:
+    """The live-jobs quota of the request's caller: the gate's, for a token; none (0) on an
+    open gateway, whose callers have no owner to count for."""
+    return gate(request).job_quota if caller(request).owner else 0
+
+
 def caller(request: Request) -> Caller:
     """The Caller a dependency authorized (an open gateway's when none ran)."""
     return getattr(request.state, "caller", OPEN)
@@ -271,10 +285,10 @@ def caller(request: Request) -> Caller:
 async def require_token(request: Request) -> None:
     """Dependency: a valid bearer token (or, with no tokens, the client's rate). Async: it
     reads nothing, so it needs no thread of the pool."""
-    request.state.caller = gate(request).authorize(request)
+    request.state.caller = await gate(request).authorize(request)
 
 
 async def require_page(request: Request) -> None:
     """Dependency of the status page and its JSON: as `require_token`, or the page's session
     cookie; loopback clients are no exception."""
-    request.state.caller = gate(request).authorize(request, cookie=True)
+    request.state.caller = await gate(request).authorize(request, cookie=True)

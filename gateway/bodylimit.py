@@ -13,7 +13,8 @@ from sdfarm.native.params import MAX_REF_IMAGES
 
 MAX_BODY = (2 + MAX_REF_IMAGES) * MAX_IMAGE_BYTES * 4 // 3 + 64 * 1024
 """Room for every input image a job may carry (init, mask and the reference images, each at
-its cap, base64), plus 64 KiB for the rest of the request."""
+its cap, base64), plus 64 KiB for the rest of the request. An images/edits form (raw bytes,
+not base64) with its image and mask at their caps is well within it."""
 
 
 class BodyLimit:

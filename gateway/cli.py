@@ -12,7 +12,9 @@ at all the gateway serves only on a loopback address, open to every local client
 anywhere else without a token is refused before anything listens.
 
 The rate limit (--rate-limit requests a minute) is counted per token, else per client address;
-a failed authentication counts against the address. The address is the TCP peer: behind a
+a failed authentication counts against the address. With --max-jobs N a token may have N
+live jobs (queued, placed or running) at once. Both are counted in the farm's Redis, so every
+gateway replica in front of one farm enforces one limit. The address is the TCP peer: behind a
 reverse proxy, give the proxy's address with --trusted-proxy CIDR (repeatable; default none)
 and the client's address is then read from X-Forwarded-For as that proxy wrote it. Never trust
 a proxy that does not overwrite or append to X-Forwarded-For itself.
@@ -102,13 +104,20 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"a bearer token that sees every job (repeatable; +${ENV_OPERATOR_TOKENS})",
     )
     p.add_argument(
-        "--timeout", type=float, default=600.0, help="seconds /v1/images/generations waits"
+        "--timeout", type=float, default=600.0, help="seconds /v1/images/generations and edits wait"
     )
     p.add_argument(
         "--rate-limit",
         type=float,
         default=600.0,
         help="API requests a minute per token (per client address without one)",
+    )
+    p.add_argument(
+        "--max-jobs",
+        type=int,
+        default=0,
+        metavar="N",
+        help="live jobs (queued, placed or running) a token may have at once; 0: no limit",
     )
     p.add_argument(
         "--trusted-proxy",
@@ -172,6 +181,7 @@ def main(argv: list[str] | None = None) -> int:
         operator_tokens=operators,
         timeout_s=args.timeout,
         rate_per_minute=args.rate_limit,
+        max_jobs_per_token=args.max_jobs,
         trusted_proxies=args.trusted_proxy,
         allowed_hosts=hosts,
     )

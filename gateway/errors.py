@@ -10,8 +10,8 @@ folders it looked in, which are nobody's business over HTTP.
 The statuses of a job's end: 507 only for a memory refusal (the failed job's record carries the
 refusal's `figures`), 504 for a job failed by its deadline (or still unended well past it) and
 for a wait that timed out, 500 `job_failed` for any other failure, 409 for a cancelled job.
-Invalid parameters are 400 naming the parameter, a full queue 429 with Retry-After, a farm whose
-Redis cannot be reached 503.
+Invalid parameters are 400 naming the parameter, a full queue, a spent rate or a token at its
+live-jobs quota 429 with Retry-After, a farm whose Redis cannot be reached 503.
 """
 
 from __future__ import annotations
@@ -27,7 +27,14 @@ from pydantic import BaseModel
 from redis.exceptions import RedisError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from sdfarm.client.farm import FarmBusyError, FarmError, JobCancelled, JobFailed, UnknownModelError
+from sdfarm.client.farm import (
+    FarmBusyError,
+    FarmError,
+    JobCancelled,
+    JobFailed,
+    QuotaExceededError,
+    UnknownModelError,
+)
 from sdfarm.native.errors import InvalidParameterError
 
 RETRY_AFTER_S = 5
@@ -100,6 +107,14 @@ def _farm_error(exc: BaseException, *, size_param: bool = False, reason: str = "
             str(exc),
             type="rate_limit_error",
             code="queue_full",
+            headers={"Retry-After": str(RETRY_AFTER_S)},
+        )
+    if isinstance(exc, QuotaExceededError):
+        return APIError(
+            429,
+            str(exc),
+            type="rate_limit_error",
+            code="quota_exceeded",
             headers={"Retry-After": str(RETRY_AFTER_S)},
         )
     if isinstance(exc, JobFailed):
@@ -191,7 +206,8 @@ def _errors(*codes: int) -> dict[int | str, dict[str, Any]]:
         400: "invalid request", 401: "missing or invalid bearer token", 404: "not found",
         500: "the job failed (code job_failed)",
         409: "the job is not in a state that allows this", 413: "the body is too large",
-        429: "the queue is full (Retry-After)", 503: "the farm (Redis) is unavailable",
+        429: "the queue is full, or the caller's rate or live-jobs quota is spent (Retry-After)",
+        503: "the farm (Redis) is unavailable",
         504: "the job did not finish in time (its deadline, or the wait's timeout)",
         507: "the model does not fit any device",
     }  # fmt: skip

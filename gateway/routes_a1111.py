@@ -18,7 +18,7 @@ from fastapi import APIRouter, Depends, Request
 
 from sdfarm.client.farm import Farm, JobFailed
 from sdfarm.gateway import a1111
-from sdfarm.gateway.auth import Caller, caller, require_token
+from sdfarm.gateway.auth import Caller, caller, job_quota, require_token
 from sdfarm.gateway.errors import APIError, _errors, _farm_error
 from sdfarm.gateway.routes_openai import failure_reason
 from sdfarm.gateway.schemas import decode_image, json_body
@@ -73,7 +73,14 @@ def _generate(request: Request, body: dict[str, Any], *, img2img: bool) -> dict[
                 )
         model = _model_for(request, body)
         prompt = fields.pop("prompt")
-        job = farm.submit(model, prompt, owner=caller(request).owner, submitter="a1111", **fields)
+        job = farm.submit(
+            model,
+            prompt,
+            owner=caller(request).owner,
+            quota=job_quota(request),
+            submitter="a1111",
+            **fields,
+        )
         request.app.state.recent.add(job.id)
         result = job.result(request.app.state.timeout_s)
     except JobFailed as exc:

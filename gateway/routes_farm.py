@@ -58,7 +58,7 @@ async def status_page(request: Request, token: str = "") -> Any:
     g = gate(request)
     try:
         if token and g.tokens_on:
-            who = g.token_caller(request, token)
+            who = await g.token_caller(request, token)
             signed_in = RedirectResponse("./", status_code=303, headers=NO_CACHE)
             signed_in.set_cookie(
                 SESSION_COOKIE,
@@ -69,7 +69,7 @@ async def status_page(request: Request, token: str = "") -> Any:
                 samesite="strict",
             )
             return signed_in
-        request.state.caller = g.authorize(request, cookie=True)
+        request.state.caller = await g.authorize(request, cookie=True)
     except APIError as exc:
         if exc.status != 401 or "text/html" not in request.headers.get("accept", ""):
             raise

@@ -18,7 +18,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response, StreamingResponse
 
 from sdfarm.client.farm import Farm, Job
-from sdfarm.gateway.auth import OPEN, Caller, caller, gate, require_token
+from sdfarm.gateway.auth import OPEN, Caller, caller, gate, job_quota, require_token
 from sdfarm.gateway.errors import APIError, _errors, _farm_error, scrub_paths
 from sdfarm.gateway.schemas import JobRequest, body_doc, json_body, parse, submit_args
 from sdfarm.gateway.sse import stream
@@ -55,7 +55,9 @@ def job_or_404(farm: Farm, job_id: str, who: Caller) -> Job:
 def create_job(request: Request, body: Any = Depends(json_body)) -> Any:  # noqa: B008
     model, prompt, kwargs = submit_args(parse(JobRequest, body).model_dump())
     try:
-        job = request.app.state.farm.submit(model, prompt, owner=caller(request).owner, **kwargs)
+        job = request.app.state.farm.submit(
+            model, prompt, owner=caller(request).owner, quota=job_quota(request), **kwargs
+        )
     except Exception as exc:  # noqa: BLE001
         raise _farm_error(exc) from None
     request.app.state.recent.add(job.id)
@@ -90,15 +92,24 @@ def get_job(request: Request, job_id: str) -> Any:
     return doc
 
 
+async def image_reader(request: Request, job_id: str, i: int = 0, sig: str = "") -> Caller:
+    """Dependency of an image: OPEN for a signed URL, else the token's Caller (rate-limited)."""
+    g = gate(request)
+    return OPEN if g.signed(job_id, i, sig) else await g.authorize(request)
+
+
 @router.get(
     "/v1/jobs/{job_id}/image.png",
     responses={200: {"content": {"image/png": {}}}, **_errors(401, 404, 409, 503)},
 )
-def get_image(request: Request, job_id: str, i: int = 0, sig: str = "") -> Any:
+def get_image(
+    request: Request,
+    job_id: str,
+    i: int = 0,
+    who: Caller = Depends(image_reader),  # noqa: B008
+) -> Any:
     """By a signed URL (the gateway signs only URLs it hands to the job's owner), or by a
     token that may see the job."""
-    g = gate(request)
-    who = OPEN if g.signed(job_id, i, sig) else g.authorize(request)
     farm: Farm = request.app.state.farm
     state = job_or_404(farm, job_id, who).state()
     if state != "done":

@@ -1,6 +1,8 @@
 """OpenAI's images API over the farm: `POST /v1/images/generations` (one job of `n` images,
-waited for, answered as base64 or as signed URLs) and `GET /v1/models`, so the `openai`
-package and other OpenAI clients work unchanged.
+waited for, answered as base64 or as signed URLs), `POST /v1/images/edits` (the same, from a
+multipart form whose image is the job's init image and whose mask is OpenAI's, converted:
+sdfarm.gateway.edits) and `GET /v1/models`, so the `openai` package and other OpenAI clients
+work unchanged.
 """
 
 from __future__ import annotations
@@ -12,12 +14,16 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request
 
 from sdfarm.client.farm import Farm, JobFailed
-from sdfarm.gateway.auth import caller, gate, require_token
+from sdfarm.gateway.auth import caller, gate, job_quota, require_token
+from sdfarm.gateway.edits import IMAGE, MASK, EditForm, auto_size, checked_images, form_body
 from sdfarm.gateway.errors import DEADLINE, APIError, _errors, _farm_error
 from sdfarm.gateway.schemas import (
+    AUTO_SIZE,
     RESPONSE_FORMATS,
+    EditRequest,
     ImagesRequest,
     body_doc,
+    form_doc,
     json_body,
     parse,
     parse_size,
@@ -35,20 +41,66 @@ OPENAI_FIELDS = {"n", "size", "response_format", "user"}
 )
 def images_generations(request: Request, body: Any = Depends(json_body)) -> Any:  # noqa: B008
     req = parse(ImagesRequest, body)
-    if req.response_format not in RESPONSE_FORMATS:
+    _check_format(req.response_format)
+    width, height = parse_size(req.size)
+    return _run(request, req, width=width, height=height)
+
+
+EDIT_FILES = {
+    IMAGE: "the image to edit (PNG, JPEG or WebP): the job's init_image; repeated as image[], "
+    "the others are reference images",
+    MASK: "where to edit: the mask's fully transparent pixels (without a mask, the image's); "
+    "a PNG of the image's size with an alpha channel",
+}
+
+
+@router.post(
+    "/v1/images/edits",
+    responses=_errors(400, 401, 404, 409, 413, 429, 500, 503, 504, 507),
+    openapi_extra=form_doc(EditRequest, EDIT_FILES, required=(IMAGE,)),
+)
+def images_edits(request: Request, form: EditForm = Depends(form_body)) -> Any:  # noqa: B008
+    req = parse(EditRequest, form.fields)
+    _check_format(req.response_format)
+    try:
+        image, refs, mask = checked_images(form)
+    except Exception as exc:  # noqa: BLE001 - InvalidParameterError names the form's field
+        raise _farm_error(exc) from None
+    size = (req.size or "").strip().lower()
+    width, height = auto_size(image) if size == AUTO_SIZE else parse_size(req.size)
+    images = {"init_image": image, "mask_image": mask, "ref_images": refs}
+    return _run(request, req, width=width, height=height, images=images)
+
+
+def _check_format(response_format: str) -> None:
+    if response_format not in RESPONSE_FORMATS:
         raise APIError(
             400,
-            f"invalid response_format: {req.response_format!r} (url or b64_json)",
+            f"invalid response_format: {response_format!r} (url or b64_json)",
             param="response_format",
             code="invalid_parameter",
         )
-    width, height = parse_size(req.size)
+
+
+def _run(
+    request: Request,
+    req: Any,
+    *,
+    width: int,
+    height: int,
+    images: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Submit the job of an OpenAI images request (`images`: input images, already bytes),
+    wait for it and answer as OpenAI does: base64 PNGs or signed URLs."""
     values = req.model_dump(exclude=OPENAI_FIELDS)
     values.update(width=width, height=height, batch_count=req.n, submitter=req.user)
     model, prompt, kwargs = submit_args(values)
+    kwargs.update(images or {})
     farm: Farm = request.app.state.farm
     try:
-        job = farm.submit(model, prompt, owner=caller(request).owner, **kwargs)
+        job = farm.submit(
+            model, prompt, owner=caller(request).owner, quota=job_quota(request), **kwargs
+        )
         request.app.state.recent.add(job.id)
         result = job.result(request.app.state.timeout_s)
     except JobFailed as exc:

@@ -26,6 +26,7 @@ from sdfarm.native.params import BY_NAME, IMAGE_PARAMS, OPTIONS, PARAMS, Param
 CARRIED = ("width", "height", "batch_count")
 """The parameters OpenAI's request carries in `size` and `n`."""
 RESPONSE_FORMATS = ("url", "b64_json")
+AUTO_SIZE = "auto"
 SIZE_RE = r"\s*(\d{1,5})\s*[xX]\s*(\d{1,5})\s*"
 DEFAULT_SUBMITTER = "gateway"
 _OPTION = {p.name: p for p in OPTIONS}
@@ -109,6 +110,33 @@ ImagesRequest: type[BaseModel] = create_model(
     **{p.name: _field(p) for p in PARAMS if p.name not in ("prompt", *CARRIED)},
     priority=_option("priority"),
 )
+EditRequest: type[BaseModel] = create_model(
+    "EditRequest",
+    __config__=ConfigDict(extra="ignore"),
+    __doc__="OpenAI's images/edits form fields (its others, quality, background and the like, "
+    "are ignored), with every generation parameter but the ones `size` and `n` carry and the "
+    "images, which come as the form's files `image` and `mask`.",
+    model=_MODEL,
+    prompt=_field(BY_NAME["prompt"]),
+    n=_field(BY_NAME["batch_count"], help="images to make, seeds seed, seed+1, ..."),
+    size=(
+        str,
+        Field(
+            AUTO_SIZE,
+            description=f"WIDTHxHEIGHT, each side {BY_NAME['width'].range_text}, or auto: the "
+            f"image's size, each side rounded down to a multiple of {BY_NAME['width'].step}",
+            json_schema_extra={"pattern": f"^(?:{AUTO_SIZE}|{SIZE_RE})$"},
+        ),
+    ),
+    response_format=(str, Field("url", json_schema_extra={"enum": list(RESPONSE_FORMATS)})),
+    user=_option("submitter", help="who fair share counts the job for"),
+    **{
+        p.name: _field(p)
+        for p in PARAMS
+        if p.name not in ("prompt", *CARRIED) and p not in IMAGE_PARAMS
+    },
+    priority=_option("priority"),
+)
 
 
 def parse_size(size: str) -> tuple[int, int]:
@@ -188,6 +216,20 @@ def body_doc(model: type[BaseModel]) -> dict[str, Any]:
     """`openapi_extra` of a route whose JSON body the handler validates: its requestBody."""
     schema = model.model_json_schema()
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
+
+
+def form_doc(
+    model: type[BaseModel], files: dict[str, str], required: tuple[str, ...] = ()
+) -> dict[str, Any]:
+    """`openapi_extra` of a route whose multipart form the handler validates: `model`'s
+    fields as text, plus the `files` (name -> description) as binary parts, the `required`
+    ones among them."""
+    schema = model.model_json_schema()
+    for name, text in files.items():
+        schema["properties"][name] = {"type": "string", "format": "binary", "description": text}
+    schema["required"] = [*schema.get("required", []), *required]
+    content = {"multipart/form-data": {"schema": schema}}
+    return {"requestBody": {"required": True, "content": content}}
 
 
 def submit_args(values: dict[str, Any]) -> tuple[str, str, dict[str, Any]]:

@@ -14,8 +14,10 @@ only ones without a TTL; each is bounded (a capped list, a set of devices, a has
 | `result:{id}` | hash | RESULT_TTL | `png:{i}`, `count`, `meta`, `records` (worker) |
 | `input:{id}` | hash | JOB_TTL, then RESULT_TTL | the job's input images by name (client) |
 | `done:{id}` | list | RESULT_TTL | one token once the job ended; waiters block on it (all) |
+| `owned:{owner}` | zset | JOB_TTL | an owner's jobs admitted under a live-jobs quota (client) |
 | `hb:{host}/{device}` | string | HEARTBEAT_TTL | the device's heartbeat (worker) |
 | `leader` | string | the lease | the active scheduler's token (scheduler) |
+| `rate:{...}` | string | 2 windows | a caller's count in one rate window (gateway, `limits`) |
 | farm-wide, no TTL: | | | |
 | `pending:{priority}` | list | - | ids of jobs waiting to be placed, 0 first (client, scheduler) |
 | `pending:count` | string | - | how many jobs wait; the queue limit counts these |
@@ -86,6 +88,17 @@ def input_key(job_id: str) -> str:
     return key("input", job_id)
 
 
+JOB_PREFIX = key("job", "")
+"""`job:` ids are appended to (the scripts that read other jobs' records: submit's quota)."""
+
+
+def owned_key(owner: str) -> str:
+    """The jobs `owner` (a gateway token's fingerprint) submitted under a live-jobs quota: ids
+    scored by submit time, ended ones pruned at its next submit, so it holds at most the
+    quota; JOB_TTL from its last submit."""
+    return key("owned", owner)
+
+
 def job_keys(job_id: str) -> list[str]:
     """Every key job `job_id` may create (for tests and deletion)."""
     return [key(kind, job_id) for kind in JOB_KEY_KINDS]
@@ -108,6 +121,11 @@ def device_key(host: str, device: str) -> str:
     return f"{host}/{device}"
 
 
+RATE_PREFIX = key("rate")
+"""The gateway's rate-limit counters: the `limits` package names them below this prefix
+(`sdfarm:rate:{gateway/<caller>/<n>/<seconds>/second}`, and that with `/-1`: its sliding
+window's current and previous counts) and sets their TTLs itself (two windows); see
+sdfarm.gateway.ratelimit."""
 LEADER_KEY = key("leader")
 PENDING_COUNT_KEY = key("pending", "count")
 DEVICES_KEY = key("devices")

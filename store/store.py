@@ -67,6 +67,19 @@ NOT_LEADER = -1
 """What a fenced transition returns when the caller's token no longer holds the lease."""
 
 
+class QuotaExceededError(Exception):
+    """A submit refused because the job's owner already has `quota` live jobs (`live`)."""
+
+    def __init__(self, owner: str, live: int, quota: int) -> None:
+        super().__init__(
+            f"too many jobs: {live} of this token's jobs are queued or running, at most {quota} "
+            "at once; wait for one to end"
+        )
+        self.owner = owner
+        self.live = live
+        self.quota = quota
+
+
 @dataclass
 class FarmReading:
     """The farm at one instant, as `snapshot` reads it: the known devices, the live ones'
@@ -111,10 +124,13 @@ class Store:
         default_queue_limit: int,
         job_id: str | None = None,
         inputs: Mapping[str, bytes] | None = None,
+        quota: int = 0,
     ) -> tuple[str | None, int, int]:
         """(job id, queue depth, queue limit); the id is None when the queue was full. Given
         the `job_id` of an earlier try, a retried submit queues nothing twice. `inputs` (the
-        job's images by name, already checked) are stored with the job, in the same step."""
+        job's images by name, already checked) are stored with the job, in the same step.
+        `quota` > 0: the job's owner may have that many live jobs (queued, placed, running);
+        at it, QuotaExceededError and nothing is queued."""
         job_id = job_id or new_job_id()
         record = [x for kv in new_job_record(job_id, spec).items() for x in kv]
         images = [x for kv in (inputs or {}).items() for x in kv]
@@ -128,10 +144,13 @@ class Store:
                 WAKE_KEY,
                 CONFIG_KEY,
                 keys.input_key(job_id),
+                keys.owned_key(spec.owner),
             ],
             args=[job_id, default_queue_limit, queued, EVENTS_CAP, JOB_TTL, WAKE_CAP,
-                  len(images), *images, *record],
+                  quota if spec.owner else 0, keys.JOB_PREFIX, len(images), *images, *record],
         )  # fmt: skip
+        if int(ok) < 0:
+            raise QuotaExceededError(spec.owner, int(depth), int(limit))
         return (job_id if ok else None), int(depth), int(limit)
 
     def cancel(self, job_id: str, by: str = "client") -> int:

@@ -36,10 +36,20 @@ def test_openapi_document_validates(gateway: str) -> None:
     doc = httpx.get(f"{gateway}/openapi.json").json()
     validate(doc)
     paths = doc["paths"]
-    for path in ("/v1/images/generations", "/v1/jobs", "/v1/status", "/", "/v1/devices"):
+    for path in (
+        "/v1/images/generations",
+        "/v1/images/edits",
+        "/v1/jobs",
+        "/v1/status",
+        "/",
+        "/v1/devices",
+    ):
         assert path in paths, path
     body = paths["/v1/jobs"]["post"]["requestBody"]["content"]["application/json"]["schema"]
     assert set(body["required"]) == {"model", "prompt"}
+    form = paths["/v1/images/edits"]["post"]["requestBody"]["content"]["multipart/form-data"]
+    assert set(form["schema"]["required"]) == {"model", "prompt", "image"}
+    assert form["schema"]["properties"]["mask"]["format"] == "binary"
 
 
 def test_no_undocumented_server_errors(api_schema: Any) -> None:

@@ -5,10 +5,11 @@ never strips the done token's TTL; the snapshot reads what placement needs in on
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import replace
 
 import pytest
 
-from sdfarm.store import NOT_LEADER, JobSpec, Store, keys, transport
+from sdfarm.store import NOT_LEADER, JobSpec, QuotaExceededError, Store, keys, transport
 from sdfarm.store.records import new_dispatch_id
 
 TOKEN = "leader-token"
@@ -190,3 +191,28 @@ def test_input_images_travel_with_the_job_and_expire_with_it(store: Store) -> No
     assert store.claim(with_inputs, dispatch, "inc", "w") is not None
     assert store.finish(with_inputs, dispatch, "h/CPU", "done", meta={}, pngs=[b"x"])
     assert 0 < store.ttls(with_inputs)[keys.input_key(with_inputs)] <= keys.RESULT_TTL
+
+
+def test_an_owner_at_its_quota_is_refused_until_a_job_ends(store: Store) -> None:
+    """The live-jobs quota: counted per owner in one script, ended (or expired) jobs pruned
+    at the next submit, a retry of an admitted job still idempotent, the set expiring."""
+    mine, theirs = replace(SPEC, owner="owner-a"), replace(SPEC, owner="owner-b")
+    first, _, _ = store.submit(mine, 100, quota=2)
+    second, _, _ = store.submit(mine, 100, quota=2)
+    assert first and second
+    before = store.queues()["pending"]
+    with pytest.raises(QuotaExceededError) as info:
+        store.submit(mine, 100, quota=2)
+    assert (info.value.live, info.value.quota) == (2, 2)
+    assert store.queues()["pending"] == before  # nothing queued
+    assert store.submit(mine, 100, second, quota=2)[0] == second  # a retry: no refusal
+    assert store.submit(theirs, 100, quota=2)[0]  # another owner: its own count
+    assert store.submit(SPEC, 100, quota=1)[0]  # no owner: no quota
+    assert store.cancel(first) == 1
+    third, _, _ = store.submit(mine, 100, quota=2)  # the cancelled job no longer counts
+    assert third
+    store.r.delete(keys.job_key(second))  # a record that expired counts no more either
+    assert store.submit(mine, 100, quota=2)[0]
+    owned = [m.decode() for m in store.r.zrange(keys.owned_key("owner-a"), 0, -1)]
+    assert first not in owned and second not in owned and third in owned
+    assert 0 < store.r.ttl(keys.owned_key("owner-a")) <= keys.JOB_TTL

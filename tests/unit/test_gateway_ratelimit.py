@@ -1,82 +1,59 @@
-"""The gateway's per-token rate limit (pure, injected clock)."""
+"""The gateway's rate limit: the policy's windows (pure), and the limiter over the `limits`
+package's in-process storage (the same strategy the shared Redis storage runs:
+tests/integration/test_gateway_shared_limits.py), and letting requests through when its
+counts cannot be reached."""
 
 from __future__ import annotations
 
+import asyncio
+import time
+
 import pytest
 
-from sdfarm.gateway.ratelimit import RateLimiter
+from sdfarm.gateway.ratelimit import BURST_WINDOW_S, MEMORY, RateLimiter, windows
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.t = 1000.0
+def takes(rl: RateLimiter, keys: list[str]) -> list[float]:
+    async def run() -> list[float]:
+        return [await rl.take(k) for k in keys]
 
-    def __call__(self) -> float:
-        return self.t
+    return asyncio.run(run())
 
 
-def test_a_burst_passes_then_the_next_request_waits_for_a_token():
-    clock = Clock()
-    rl = RateLimiter(per_minute=60, burst=3, clock=clock)
-    assert [rl.take("a") for _ in range(3)] == [0.0, 0.0, 0.0]
-    assert rl.take("a") == pytest.approx(1.0)
-    clock.t += 1.0
-    assert rl.take("a") == 0.0
+def test_windows_are_a_burst_and_a_minute():
+    burst, minute = windows(600)
+    assert (burst.amount, burst.get_expiry()) == (100, BURST_WINDOW_S)  # 10 s' worth
+    assert (minute.amount, minute.get_expiry()) == (600, 60)
+    burst, minute = windows(6)
+    assert burst.amount == 1 and minute.amount == 6  # at least one in a burst
+    burst, _ = windows(60, burst=3)
+    assert burst.amount == 3
+    _, slow = windows(0.5)  # below one a minute: one per 120 s
+    assert (slow.amount, slow.get_expiry()) == (1, 120)
+
+
+def test_rate_and_burst_must_be_positive():
+    with pytest.raises(ValueError):
+        windows(0)
+    with pytest.raises(ValueError):
+        windows(60, burst=0.5)
+
+
+def test_a_burst_passes_then_the_next_request_waits():
+    rl = RateLimiter(60, MEMORY, burst=3)
+    got = takes(rl, ["a"] * 4)
+    assert got[:3] == [0.0, 0.0, 0.0]
+    assert 0 < got[3] <= BURST_WINDOW_S  # Retry-After: within the burst window
 
 
 def test_keys_are_limited_separately():
-    clock = Clock()
-    rl = RateLimiter(per_minute=6, burst=1, clock=clock)
-    assert rl.take("token:a") == 0.0
-    assert rl.take("token:a") == pytest.approx(10.0)
-    assert rl.take("token:b") == 0.0
+    rl = RateLimiter(6, MEMORY)  # a burst of 1
+    a1, a2, b1 = takes(rl, ["token:a", "token:a", "token:b"])
+    assert a1 == 0.0 and a2 > 0 and b1 == 0.0
 
 
-def test_idle_time_refills_only_up_to_the_burst():
-    clock = Clock()
-    rl = RateLimiter(per_minute=600, clock=clock)  # burst: 10 s worth = 100
-    clock.t += 3600
-    assert sum(rl.take("a") == 0.0 for _ in range(150)) == 100
-
-
-def test_rate_must_be_positive():
-    with pytest.raises(ValueError):
-        RateLimiter(per_minute=0)
-
-
-def test_idle_buckets_are_forgotten():
-    """A bucket idle until full is the same as none: it is dropped, so keys that come once
-    (rotating addresses) leave nothing behind."""
-    clock = Clock()
-    rl = RateLimiter(per_minute=60, burst=2, clock=clock)  # full again 2 s after its last use
-    for k in range(1000):
-        rl.take(f"addr:{k}")
-    assert len(rl) == 1000
-    clock.t += 2.0
-    rl.take("other")
-    assert len(rl) == 1
-
-
-def test_memory_is_capped_and_the_least_recently_used_key_gives_way():
-    clock = Clock()
-    rl = RateLimiter(per_minute=6, burst=1, clock=clock, max_keys=100)
-    assert rl.take("busy") == 0.0
-    for k in range(10_000):
-        rl.take(f"addr:{k}")
-        if k % 50 == 0:
-            assert rl.take("busy") > 0  # still limited: touched often, never evicted
-    assert len(rl) == 100
-
-
-def test_an_idle_forgotten_bucket_gives_no_more_than_a_full_one():
-    clock = Clock()
-    rl = RateLimiter(per_minute=60, burst=3, clock=clock)
-    assert [rl.take("a") for _ in range(4)][-1] > 0
-    clock.t += 10
-    rl.take("b")  # evicts "a", which is full by now
-    assert [rl.take("a") == 0.0 for _ in range(4)] == [True, True, True, False]
-
-
-def test_max_keys_must_be_positive():
-    with pytest.raises(ValueError):
-        RateLimiter(per_minute=60, max_keys=0)
+def test_unreachable_counts_let_requests_through_quickly():
+    rl = RateLimiter(6, "redis://127.0.0.1:1/0")  # nothing listens on port 1
+    start = time.monotonic()
+    assert takes(rl, ["a"] * 3) == [0.0, 0.0, 0.0]
+    assert time.monotonic() - start < 5

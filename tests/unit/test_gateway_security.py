@@ -18,6 +18,7 @@ from sdfarm.gateway.auth import Gate, fingerprint
 from sdfarm.gateway.cli import build_parser, collect_tokens
 from sdfarm.gateway.errors import PATH_MARK, APIError, _farm_error, scrub_paths
 from sdfarm.gateway.hosts import AllowedHosts, allowed_hosts
+from sdfarm.gateway.ratelimit import MEMORY
 from sdfarm.native.catalog import Catalog
 from sdfarm.native.errors import ModelLoadError
 
@@ -82,7 +83,10 @@ def fake() -> FakeFarm:
 
 
 def client(farm: Any, *, peer: str = "10.0.0.7", **options: Any) -> TestClient:
-    return TestClient(create_app(NOWHERE, farm=farm, **options), base_url=LOCAL, client=(peer, 1))
+    """The app over `farm`, its rate counted in this process (the shared Redis counts:
+    tests/integration/test_gateway_shared_limits.py)."""
+    app = create_app(NOWHERE, farm=farm, rate_storage=MEMORY, **options)
+    return TestClient(app, base_url=LOCAL, client=(peer, 1))
 
 
 # -- rate limits: the real address, failed authentications, bounded memory ------------------
@@ -94,7 +98,6 @@ def test_rotating_x_forwarded_for_does_not_bypass_the_limit(fake: FakeFarm) -> N
         for k in range(50):
             r = c.get("/v1/models", headers={"X-Forwarded-For": f"2.2.2.{k}"})
             assert r.status_code == 429 and int(r.headers["Retry-After"]) >= 1
-        assert len(c.app.state.gate.limiter) == 1  # one key: the peer's
 
 
 def test_a_trusted_proxys_x_forwarded_for_names_the_client(fake: FakeFarm) -> None:
@@ -131,8 +134,7 @@ def test_failed_authentication_counts_against_the_peer(fake: FakeFarm) -> None:
         assert codes[:10] == [401] * 10 and codes[10:] == [429, 429]
         assert c.get("/v1/models").status_code == 429  # no token at all: counted as well
         ok = c.get("/v1/models", headers={"Authorization": "Bearer good"})
-        assert ok.status_code == 200  # the token has its own bucket
-        assert all("good" not in k for k in c.app.state.gate.limiter._buckets)  # fingerprints
+        assert ok.status_code == 200  # the token has its own count
 
 
 # -- owners ------------------------------------------------------------------------------------
