@@ -1,6 +1,7 @@
 -- submit: queue a new job unless the queue is full. Idempotent: a retry of a submit whose
 -- reply was lost (the connection dropped) finds its job and queues nothing twice.
--- KEYS: job, pending list, pending count, events, wake, config, inputs
+-- KEYS: job, pending list, pending count, events, wake, config, inputs, job counters,
+--       seconds histograms
 -- ARGV: id, default queue limit, queued event, events cap, job ttl, wake cap, n (how many
 --       input ARGVs follow), the n input ARGVs (name, bytes pairs: the job's images), then
 --       the record's field/value pairs
@@ -20,6 +21,7 @@ if n > 0 then
 end
 redis.call('RPUSH', KEYS[2], ARGV[1])
 redis.call('INCR', KEYS[3])
+count(KEYS[8], 'submitted', redis.call('HGET', KEYS[1], 'model'), '')
 log(KEYS[4], ARGV[3], ARGV[4], ARGV[5])
 redis.call('LPUSH', KEYS[5], '1')
 redis.call('LTRIM', KEYS[5], 0, tonumber(ARGV[6]) - 1)
