@@ -84,6 +84,7 @@ class LocalFarm:
         schedulers: int = 1,
         supervise: bool = True,
         on_event: Any = None,
+        metrics_port: int | None = None,
     ) -> None:
         self.models_dirs = [str(Path(d).resolve()) for d in models_dirs]
         self.devices = list(devices) if devices else []
@@ -108,6 +109,7 @@ class LocalFarm:
         self.schedulers = max(1, schedulers)
         self._redis_dir: Path | None = None
         self._on_event = on_event
+        self.metrics_port = metrics_port
         self.supervisor = (
             Supervisor(self._children, self._restart, self._event) if supervise else None
         )
@@ -138,7 +140,10 @@ class LocalFarm:
             self.env["SDFARM_REDIS_URL"] = self.url
             for n in range(self.schedulers):
                 role = "scheduler" if n == 0 else f"scheduler:{n + 1}"
-                self._spawn(role, ["-m", "sdfarm.scheduler.service", *self.scheduler_args])
+                self._spawn(
+                    role,
+                    ["-m", "sdfarm.scheduler.service", *self._metrics(n), *self.scheduler_args],
+                )
             for device in self.devices:
                 self._spawn(f"worker:{device}", self._worker_command(device))
             self._wait_ready()
@@ -181,7 +186,22 @@ class LocalFarm:
             cmd += ["--models", d]
         if self.threads:
             cmd += ["--threads", str(self.threads)]
-        return cmd + self.worker_args
+        return cmd + self._metrics(self.schedulers + self.devices.index(device)) + self.worker_args
+
+    def _metrics(self, index: int) -> list[str]:
+        """`--metrics-port` of the index-th child (schedulers first, then the workers in
+        device order: `metrics_ports()`), none without `metrics_port`."""
+        if self.metrics_port is None:
+            return []
+        return ["--metrics-port", str(self.metrics_port + index)]
+
+    def metrics_ports(self) -> dict[str, int]:
+        """{role: port} of every child's /metrics, from `metrics_port` up; {} without it."""
+        if self.metrics_port is None:
+            return {}
+        roles = ["scheduler" if n == 0 else f"scheduler:{n + 1}" for n in range(self.schedulers)]
+        roles += [f"worker:{d}" for d in self.devices]
+        return {role: self.metrics_port + i for i, role in enumerate(roles)}
 
     def _spawn(self, role: str, args: list[str]) -> None:
         assert self.log_dir is not None
