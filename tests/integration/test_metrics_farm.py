@@ -6,7 +6,9 @@ counters by model and device and the histograms moved by exactly the jobs that r
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import re
 import socket
 import time
 from collections.abc import Iterator
@@ -71,6 +73,11 @@ def free_run(n: int) -> int:
     raise AssertionError(f"no {n} consecutive free ports")
 
 
+EXPORTED: set[str] = set()
+"""Every name the scrapes of this module saw: families, with every suffix a sample may have."""
+DASHBOARD = Path(__file__).parents[2] / "deploy" / "grafana-dashboard.json"
+
+
 def scrape(url: str, token: str | None = None) -> Samples:
     """Every sample of a /metrics page, parsed by prometheus_client's parser."""
     headers = {"Authorization": f"Bearer {token}"} if token else {}
@@ -78,6 +85,7 @@ def scrape(url: str, token: str | None = None) -> Samples:
     assert resp.status_code == 200, resp.text
     out: Samples = {}
     for family in text_string_to_metric_families(resp.text):
+        EXPORTED.update(family.name + sfx for sfx in ("", "_total", "_bucket", "_count", "_sum"))
         for s in family.samples:
             out[(s.name, frozenset(s.labels.items()))] = s.value
     return out
@@ -169,3 +177,17 @@ def test_counters_and_histograms_move_by_the_jobs_that_ran(
     assert value(sched, "sdfarm_scheduler_cycle_seconds_count") > 0
     assert value(sched, "sdfarm_scheduler_events_total", event="placed") >= ran
     assert not any(n.startswith("sdfarm_jobs_") for n in names(sched))
+
+
+def test_the_dashboard_charts_only_series_the_farm_exports(
+    local_farm: LocalFarm, gateway: str
+) -> None:
+    """Every sdfarm_ name in deploy/grafana-dashboard.json is exported by some process."""
+    scrape(f"{gateway}/metrics", TOKEN)
+    for port in local_farm.metrics_ports().values():
+        scrape(f"http://127.0.0.1:{port}/metrics")
+    exprs = [t["expr"] for p in json.loads(DASHBOARD.read_text())["panels"]
+             for t in p.get("targets", [])]  # fmt: skip
+    used = {n for e in exprs for n in re.findall(r"\bsdfarm_[a-z0-9_]+", e)}
+    assert len(used) > 20 and EXPORTED, (used, EXPORTED)
+    assert used <= EXPORTED, sorted(used - EXPORTED)
