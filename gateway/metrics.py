@@ -20,6 +20,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterator, MutableMapping
 from typing import Any
 
+import redis
 from prometheus_client import (
     CollectorRegistry,
     Counter,
@@ -46,6 +47,8 @@ JOB_HELP = {
     "cancelled": "Jobs that ended cancelled, by model and device ('' when cancelled queued).",
     "requeued": "Runs lost with their worker and put back in the queue, by model and device.",
 }
+
+REDIS_UP_HELP = "1 when the gateway read the farm's Redis for this scrape, else 0."
 
 SECONDS_HELP = {name: f"Seconds {doc}." for name, doc in HISTOGRAMS.items()}
 
@@ -77,8 +80,16 @@ class FarmCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         store = self.farm.store
-        yield from job_families(read_farm_metrics(store.r))
-        queues = store.queues()
+        try:  # everything read before anything is yielded: a scrape is all or nothing
+            counted = read_farm_metrics(store.r)
+            queues = store.queues()
+            snap = store.snapshot()
+        except redis.RedisError:
+            # Redis away: the gateway's own series still answer, and say so.
+            yield GaugeMetricFamily("sdfarm_redis_up", REDIS_UP_HELP, value=0)
+            return
+        yield GaugeMetricFamily("sdfarm_redis_up", REDIS_UP_HELP, value=1)
+        yield from job_families(counted)
         depth = GaugeMetricFamily(
             "sdfarm_queue_depth", "Jobs waiting for placement, by priority.", labels=["priority"]
         )
@@ -90,7 +101,6 @@ class FarmCollector(Collector):
             "Jobs waiting for placement (the queue limit counts these).",
             value=queues["pending"],
         )
-        snap = store.snapshot()
         yield GaugeMetricFamily(
             "sdfarm_devices", "Devices known to the farm.", value=len(snap.known)
         )

@@ -190,10 +190,11 @@ class LocalFarm:
 
     def _metrics(self, index: int) -> list[str]:
         """`--metrics-port` of the index-th child (schedulers first, then the workers in
-        device order: `metrics_ports()`), none without `metrics_port`."""
+        device order: `metrics_ports()`), on loopback (a local farm); none without
+        `metrics_port`."""
         if self.metrics_port is None:
             return []
-        return ["--metrics-port", str(self.metrics_port + index)]
+        return ["--metrics-port", str(self.metrics_port + index), "--metrics-addr", "127.0.0.1"]
 
     def metrics_ports(self) -> dict[str, int]:
         """{role: port} of every child's /metrics, from `metrics_port` up; {} without it."""

@@ -62,3 +62,22 @@ def test_a_scrape_sends_the_same_commands_for_20_or_400_finished_jobs(redis_url:
         assert 'sdfarm_jobs_done_total{device="h/CPU1",model="m1"}' in large_series
     finally:
         farm.close()
+
+
+def test_with_redis_away_the_gateway_still_answers_and_says_so() -> None:
+    from fastapi.testclient import TestClient
+
+    from sdfarm.gateway import create_app
+
+    from helpers.gateway import free_port
+
+    app = create_app(f"redis://127.0.0.1:{free_port()}/0")  # nothing listens there
+    with TestClient(app, base_url="http://localhost") as http:
+        assert http.get("/metrics").status_code == 200
+        resp = http.get("/metrics")  # the first request is counted once it has answered
+    assert resp.status_code == 200
+    text = resp.text
+    assert "\nsdfarm_redis_up 0.0\n" in text
+    assert 'sdfarm_gateway_requests_total{method="GET",route="/metrics",status="200"} 1.0' in text
+    assert "sdfarm_jobs_done_total" not in text and "process_cpu_seconds_total" in text
+    app.state.farm.close()
