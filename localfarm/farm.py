@@ -34,6 +34,8 @@ from typing import Any
 from sdfarm.localfarm import state as farm_state
 from sdfarm.localfarm.redis_server import RedisServer, _die_with_parent
 from sdfarm.localfarm.supervise import Supervisor
+from sdfarm.scheduler.metrics import PORT_ENV as SCHEDULER_METRICS_PORT_ENV
+from sdfarm.worker.metrics import PORT_ENV as WORKER_METRICS_PORT_ENV
 
 
 class LocalFarmError(RuntimeError):
@@ -98,6 +100,10 @@ class LocalFarm:
         self.scheduler_args = list(scheduler_args)
         self.env = dict(os.environ if env is None else env)
         self.env.setdefault("PYTHONUNBUFFERED", "1")
+        # Several schedulers and workers share this host: one port from the environment
+        # would collide. A local farm hands out its own (`metrics_port`) or none.
+        for name in (SCHEDULER_METRICS_PORT_ENV, WORKER_METRICS_PORT_ENV):
+            self.env.pop(name, None)
         self._own_logs = log_dir is None
         self.log_dir = Path(log_dir) if log_dir is not None else None
         self.redis: RedisServer | None = None
