@@ -4,9 +4,9 @@ never the job records. For contrast, the scan the gateway used to do on every sc
 (`Store.count_by_state`, one HGET per job record) is timed on the same Redis.
 
 A private redis-server; jobs are written through the Store's real transitions (submit, place,
-claim, finish; some fail or are cancelled), over 3 models and 2 devices with live heartbeats.
-At each checkpoint the gateway's exposition (`generate_latest` of the registry its app
-serves) is taken `--scrapes` times.
+claim, finish; some fail or are cancelled), over 3 models and 2 devices with live heartbeats,
+one Redis database per checkpoint. The gateway's exposition (`generate_latest` of the registry
+its app serves) is then taken `--scrapes` times per checkpoint, round-robin over them.
 
     python bench/metrics_scrape.py [--points 100,1000,10000] [--scrapes 50] [--out FILE]
 """
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import time
@@ -48,17 +49,18 @@ def write_jobs(store, start: int, stop: int) -> None:
                             load_s=0.8 if i < 6 else None, generate_s=0.02 * (i % 50))  # fmt: skip
 
 
-def timed(fn, n: int) -> dict[str, float]:
-    times = []
-    for _ in range(n):
-        t = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t) * 1000)
-    times.sort()
+def summary(times_ms: list[float]) -> dict[str, float]:
+    times = sorted(times_ms)
     return {
         "median_ms": round(statistics.median(times), 3),
         "p90_ms": round(times[int(0.9 * (len(times) - 1))], 3),
     }
+
+
+def db_url(url: str, db: int) -> str:
+    """The server's URL on database `db` (one database per checkpoint)."""
+    assert url.endswith("/0"), url
+    return f"{url[:-2]}/{db}"
 
 
 def main() -> int:
@@ -76,51 +78,65 @@ def main() -> int:
     from sdfarm.store import keys
 
     points = [int(x) for x in args.points.split(",")]
-    rows = []
     server = RedisServer.start()
     try:
-        farm = Farm(server.url)
-        store = farm.store
-        assert store.take_lease(TOKEN, 3_600_000)
-        for device in DEVICES:
-            store.beat(device, {"key": device, "capacity": 1, "state": "idle"}, 3600)
-        registry = gateway_registry(farm)
-        written = 0
-        for point in points:
+        # One database per checkpoint, filled once; then the scrapes go round-robin over
+        # them, so a busy moment of the machine weighs on every checkpoint alike.
+        farms, writes = [], []
+        for db, point in enumerate(points):
+            farm = Farm(db_url(server.url, db))
+            assert farm.store.take_lease(TOKEN, 3_600_000)
+            for device in DEVICES:
+                farm.store.beat(device, {"key": device, "capacity": 1, "state": "idle"}, 3600)
             t = time.perf_counter()
-            write_jobs(store, written, point)
-            write_s = time.perf_counter() - t
-            written = point
-            text = generate_latest(registry)
-            scrape = timed(lambda: generate_latest(registry), args.scrapes)
-            scan = timed(store.count_by_state, args.scan_scrapes)
+            write_jobs(farm.store, 0, point)
+            writes.append(time.perf_counter() - t)
+            farms.append(farm)
+        registries = [gateway_registry(farm) for farm in farms]
+        texts = [generate_latest(r) for r in registries]  # warm: scripts, connections
+        scrapes: list[list[float]] = [[] for _ in points]
+        scans: list[list[float]] = [[] for _ in points]
+        for n in range(args.scrapes):
+            for i, registry in enumerate(registries):
+                t = time.perf_counter()
+                generate_latest(registry)
+                scrapes[i].append((time.perf_counter() - t) * 1000)
+                if n < args.scan_scrapes:
+                    t = time.perf_counter()
+                    farms[i].store.count_by_state()
+                    scans[i].append((time.perf_counter() - t) * 1000)
+        rows = []
+        for i, point in enumerate(points):
+            store = farms[i].store
             row = {
                 "finished_jobs": point,
-                "scrape": scrape,
-                "old_scan": scan,
-                "exposition_bytes": len(text),
+                "scrape": summary(scrapes[i]),
+                "old_scan": summary(scans[i]),
+                "exposition_bytes": len(texts[i]),
                 "metrics_hash_fields": int(store.r.hlen(keys.METRICS_JOBS_KEY))
                 + int(store.r.hlen(keys.METRICS_SECONDS_KEY)),
                 "redis_keys": int(store.r.dbsize()),
-                "write_s": round(write_s, 2),
+                "write_s": round(writes[i], 2),
             }
             rows.append(row)
             print(
-                f"{point:>7} jobs  scrape median {scrape['median_ms']:7.3f} ms "
-                f"p90 {scrape['p90_ms']:7.3f} ms  | old key scan median "
-                f"{scan['median_ms']:9.3f} ms  | {row['metrics_hash_fields']} hash fields, "
-                f"{row['redis_keys']} keys",
+                f"{point:>7} jobs  scrape median {row['scrape']['median_ms']:7.3f} ms "
+                f"p90 {row['scrape']['p90_ms']:7.3f} ms  | old key scan median "
+                f"{row['old_scan']['median_ms']:9.3f} ms  | {row['metrics_hash_fields']} hash "
+                f"fields, {row['redis_keys']} keys",
                 flush=True,
             )
-        farm.close()
+        for farm in farms:
+            farm.close()
     finally:
         server.stop()
     doc = {
         "bench": "metrics_scrape",
         "what": "gateway /metrics exposition (generate_latest of its registry) vs the old "
         "per-scrape key scan (Store.count_by_state), as finished jobs grow",
-        "machine": {"python": platform.python_version(), "cpu": platform.processor()},
+        "machine": {"python": platform.python_version(), "cpus": os.cpu_count()},
         "scrapes_per_point": args.scrapes,
+        "old_scans_per_point": args.scan_scrapes,
         "rows": rows,
     }
     if args.out:
