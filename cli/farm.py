@@ -133,6 +133,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         log_dir=args.log_dir or state_dir() / "logs",
         ready_timeout=args.timeout,
         schedulers=2,  # a standby takes over at once when the leader dies
+        metrics_port=args.metrics_port,
         on_event=lambda kind, role, **info: _err(
             f"{role}: {kind} " + " ".join(f"{k}={v}" for k, v in info.items())
         ),
@@ -155,6 +156,7 @@ def cmd_up(args: argparse.Namespace) -> int:
             },
             "state_file": str(state_path()),
             "logs": str(farm.log_dir),
+            "metrics": farm.metrics_ports(),
         }
         if args.json:
             emit(doc)
@@ -163,6 +165,8 @@ def cmd_up(args: argparse.Namespace) -> int:
             print(f"devices: {', '.join(farm.devices)} on {farm.host}")
             print(f"models: {', '.join(farm.models_dirs)}")
             print(f"logs: {farm.log_dir}")
+            for role, port in farm.metrics_ports().items():
+                print(f"metrics: {role} on http://127.0.0.1:{port}/metrics")
             print("Ctrl-C stops the farm", flush=True)
         while True:
             time.sleep(3600)
@@ -225,6 +229,14 @@ def add_farm_commands(sub: Any) -> None:
     up.add_argument("--host", default=None, help="the host name in heartbeats")
     up.add_argument("--log-dir", default=None, help="where the children's logs go")
     up.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for workers")
+    up.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        metavar="PORT",
+        help="serve Prometheus /metrics from PORT up: the schedulers, then a worker per device "
+        "(default off)",
+    )
     up.add_argument("--json", action="store_true")
     up.set_defaults(func=cmd_up)
 

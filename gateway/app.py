@@ -7,7 +7,8 @@ reads itself (server-sent events, health), an `AsyncStore` (sdfarm.store.aio).
 `create_app(redis_url, tokens=[...])` returns a FastAPI app; `sdfarm gateway` serves it with
 uvicorn (sdfarm.gateway.cli). This module only wires the parts: the routes
 (`routes_openai`, `routes_jobs`, `routes_farm`) read what they need from `app.state` (`farm`,
-`aio`, `gate`, `recent`, `timeout_s`); the Host check and the body limit wrap them all.
+`aio`, `gate`, `recent`, `timeout_s`, `metrics`: its prometheus_client registry); the Host
+check and the body limit wrap them all, and the request metrics wrap those.
 Errors always have OpenAI's shape: `{"error": {"message", "type", "param", "code"}}`
 (sdfarm.gateway.errors).
 """
@@ -29,6 +30,7 @@ from sdfarm.gateway.auth import Gate
 from sdfarm.gateway.bodylimit import BodyLimit
 from sdfarm.gateway.errors import APIError, add_handlers
 from sdfarm.gateway.hosts import LOCAL_HOSTS, AllowedHosts, HostCheck
+from sdfarm.gateway.metrics import HttpMetrics, gateway_registry
 from sdfarm.gateway.status import RecentJobs
 from sdfarm.store.aio import AsyncStore
 
@@ -107,8 +109,10 @@ def create_app(
     app.state.aio = AioStores(redis_url)
     app.state.recent = RecentJobs()
     app.state.timeout_s = timeout_s
+    app.state.metrics = gateway_registry(app.state.farm)
     app.add_middleware(BodyLimit)
-    app.add_middleware(HostCheck, allowed=AllowedHosts(allowed_hosts))  # outermost
+    app.add_middleware(HostCheck, allowed=AllowedHosts(allowed_hosts))
+    app.add_middleware(HttpMetrics, registry=app.state.metrics)  # outermost: counts refusals
     add_handlers(app)
     for router in ROUTERS:
         app.include_router(router)

@@ -15,6 +15,7 @@ from typing import Any
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, RedirectResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from sdfarm.client.farm import Farm
 from sdfarm.gateway.auth import (
@@ -26,7 +27,6 @@ from sdfarm.gateway.auth import (
     require_token,
 )
 from sdfarm.gateway.errors import APIError, _errors, _farm_error, scrub_paths
-from sdfarm.gateway.metrics import prometheus_text
 from sdfarm.gateway.page import LOGIN_HTML, PAGE_HTML
 from sdfarm.gateway.status import status_doc
 
@@ -106,8 +106,9 @@ async def healthz(request: Request) -> Any:
     responses=_errors(401, 503),
 )
 def metrics(request: Request) -> Any:
+    """prometheus_client's exposition of the app's registry (sdfarm.gateway.metrics)."""
     try:
-        text = prometheus_text(request.app.state.farm)
+        text = generate_latest(request.app.state.metrics)
     except Exception as exc:  # noqa: BLE001
         raise _farm_error(exc) from None
-    return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
+    return PlainTextResponse(text, media_type=CONTENT_TYPE_LATEST)

@@ -34,6 +34,8 @@ from typing import Any
 from sdfarm.localfarm import state as farm_state
 from sdfarm.localfarm.redis_server import RedisServer, _die_with_parent
 from sdfarm.localfarm.supervise import Supervisor
+from sdfarm.scheduler.metrics import PORT_ENV as SCHEDULER_METRICS_PORT_ENV
+from sdfarm.worker.metrics import PORT_ENV as WORKER_METRICS_PORT_ENV
 
 
 class LocalFarmError(RuntimeError):
@@ -84,6 +86,7 @@ class LocalFarm:
         schedulers: int = 1,
         supervise: bool = True,
         on_event: Any = None,
+        metrics_port: int | None = None,
     ) -> None:
         self.models_dirs = [str(Path(d).resolve()) for d in models_dirs]
         self.devices = list(devices) if devices else []
@@ -97,6 +100,10 @@ class LocalFarm:
         self.scheduler_args = list(scheduler_args)
         self.env = dict(os.environ if env is None else env)
         self.env.setdefault("PYTHONUNBUFFERED", "1")
+        # Several schedulers and workers share this host: one port from the environment
+        # would collide. A local farm hands out its own (`metrics_port`) or none.
+        for name in (SCHEDULER_METRICS_PORT_ENV, WORKER_METRICS_PORT_ENV):
+            self.env.pop(name, None)
         self._own_logs = log_dir is None
         self.log_dir = Path(log_dir) if log_dir is not None else None
         self.redis: RedisServer | None = None
@@ -108,6 +115,7 @@ class LocalFarm:
         self.schedulers = max(1, schedulers)
         self._redis_dir: Path | None = None
         self._on_event = on_event
+        self.metrics_port = metrics_port
         self.supervisor = (
             Supervisor(self._children, self._restart, self._event) if supervise else None
         )
@@ -138,7 +146,10 @@ class LocalFarm:
             self.env["SDFARM_REDIS_URL"] = self.url
             for n in range(self.schedulers):
                 role = "scheduler" if n == 0 else f"scheduler:{n + 1}"
-                self._spawn(role, ["-m", "sdfarm.scheduler.service", *self.scheduler_args])
+                self._spawn(
+                    role,
+                    ["-m", "sdfarm.scheduler.service", *self._metrics(n), *self.scheduler_args],
+                )
             for device in self.devices:
                 self._spawn(f"worker:{device}", self._worker_command(device))
             self._wait_ready()
@@ -181,7 +192,23 @@ class LocalFarm:
             cmd += ["--models", d]
         if self.threads:
             cmd += ["--threads", str(self.threads)]
-        return cmd + self.worker_args
+        return cmd + self._metrics(self.schedulers + self.devices.index(device)) + self.worker_args
+
+    def _metrics(self, index: int) -> list[str]:
+        """`--metrics-port` of the index-th child (schedulers first, then the workers in
+        device order: `metrics_ports()`), on loopback (a local farm); none without
+        `metrics_port`."""
+        if self.metrics_port is None:
+            return []
+        return ["--metrics-port", str(self.metrics_port + index), "--metrics-addr", "127.0.0.1"]
+
+    def metrics_ports(self) -> dict[str, int]:
+        """{role: port} of every child's /metrics, from `metrics_port` up; {} without it."""
+        if self.metrics_port is None:
+            return {}
+        roles = ["scheduler" if n == 0 else f"scheduler:{n + 1}" for n in range(self.schedulers)]
+        roles += [f"worker:{d}" for d in self.devices]
+        return {role: self.metrics_port + i for i, role in enumerate(roles)}
 
     def _spawn(self, role: str, args: list[str]) -> None:
         assert self.log_dir is not None

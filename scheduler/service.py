@@ -22,6 +22,7 @@ from typing import Any
 
 from sdfarm.scheduler.dispatch import DispatchConfig, Dispatcher, NotLeader
 from sdfarm.scheduler.leader import DEFAULT_TTL_MS, STANDBY_RETRY_S, LeaderLock
+from sdfarm.scheduler.metrics import DEFAULT_PORT, SchedulerMetrics, default_port
 from sdfarm.scheduler.registry import DEFAULT_BACKLOG, DEFAULT_QUEUE_LIMIT
 from sdfarm.store import Store
 from sdfarm.store.transport import CeleryOutbox
@@ -54,6 +55,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=DEFAULT_TTL_MS,
         help=f"leader lease; a dead leader is replaced after it (default {DEFAULT_TTL_MS})",
     )
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=default_port(),
+        metavar="PORT",
+        help="serve Prometheus /metrics on PORT (deploy/ uses "
+        f"{DEFAULT_PORT}; default $SDFARM_SCHEDULER_METRICS_PORT, else off)",
+    )
+    p.add_argument(
+        "--metrics-addr",
+        default="0.0.0.0",
+        help="the address /metrics listens on (default 0.0.0.0)",
+    )
     p.add_argument("-v", "--verbose", action="store_true", help="also log every placement")
     p.add_argument("--json", action="store_true", help="one JSON line per event on stdout")
 
@@ -69,8 +83,10 @@ class Service:
         lease_ms: int = DEFAULT_TTL_MS,
         json_lines: bool = False,
         verbose: bool = False,
+        metrics: SchedulerMetrics | None = None,
     ) -> None:
         self.url = redis_url
+        self.metrics = metrics or SchedulerMetrics()
         self.store = Store.connect(redis_url, socket_timeout=10, socket_connect_timeout=5)
         self.config = config or DispatchConfig()
         self.lock = LeaderLock(self.store, ttl_ms=lease_ms)
@@ -81,6 +97,7 @@ class Service:
         self._role = ""
 
     def emit(self, kind: str, **fields: Any) -> None:
+        self.metrics.events.labels(kind).inc()
         if kind in QUIET_KINDS and not self.verbose:
             return
         doc = {"event": kind, "t": round(time.time(), 3), "scheduler": self.lock.token, **fields}
@@ -94,6 +111,7 @@ class Service:
     def _become(self, role: str, **fields: Any) -> None:
         if role != self._role:
             self._role = role
+            self.metrics.leader.set(1 if role == "leader" else 0)
             self.emit(role, **fields)
 
     def dispatcher(self) -> Dispatcher:
@@ -122,7 +140,8 @@ class Service:
         if not self.lock.renew_if_due():
             self._become("standby", reason="lease lost")
             return
-        self.dispatcher().cycle()
+        with self.metrics.cycle.time():
+            self.dispatcher().cycle()
 
     def run(self) -> int:
         import redis
@@ -132,15 +151,18 @@ class Service:
                 try:
                     self.step()
                 except NotLeader:
+                    self.metrics.leader.set(0)
                     self.lock.release()
                     self._become("standby", reason="another scheduler holds the lease")
                 except redis.RedisError as exc:  # away, or refusing writes (full): wait
                     self.emit("redis-error", error=str(exc))
+                    self.metrics.leader.set(0)
                     self._role = ""
                     self.stopping.wait(STANDBY_RETRY_S)
         finally:
             with contextlib.suppress(redis.RedisError):
                 self.lock.release()  # compare-and-delete: a no-op unless the lease is ours
+            self.metrics.leader.set(0)
             self.emit("stopped")
             self.store.close()
         return 0
@@ -165,6 +187,8 @@ def run(args: argparse.Namespace) -> int:
         json_lines=args.json,
         verbose=args.verbose,
     )
+    if args.metrics_port:
+        service.metrics.serve(args.metrics_port, args.metrics_addr)
     signal.signal(signal.SIGTERM, service.stop)
     signal.signal(signal.SIGINT, service.stop)
     return service.run()

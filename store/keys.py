@@ -27,6 +27,8 @@ only ones without a TTL; each is bounded (a capped list, a set of devices, a has
 | `config` | hash | - | `queue_limit`, `backlog` (scheduler) |
 | `recent` | list | - | the last RECENT_CAP finished job ids, newest first (worker) |
 | `prefs` | hash | - | `{owner}:{name}` -> a caller's setting, e.g. its default model (gateway) |
+| `metrics:jobs` | hash | - | kind, model, device (joined by a bar) -> jobs counted as they happen |
+| `metrics:seconds` | hash | - | histogram, model, device, bucket or `sum` -> counts, sums |
 
 The Celery queues (`sdfarm.{host}.{device}` and kombu's priority lists) are named in
 `sdfarm.store.transport`, the one module that knows Celery's wire format.
@@ -133,6 +135,14 @@ WAKE_KEY = key("wake")
 CONFIG_KEY = key("config")
 RECENT_KEY = key("recent")
 PREFS_KEY = key("prefs")
+METRICS_JOBS_KEY = key("metrics", "jobs")
+METRICS_SECONDS_KEY = key("metrics", "seconds")
+METRICS_KEYS = (METRICS_JOBS_KEY, METRICS_SECONDS_KEY)
+"""The farm's counters and histograms (`sdfarm.store.metrics`): the transition scripts that
+count take them as their last two KEYS. Bounded: at most METRICS_SERIES_CAP series each."""
+METRICS_SERIES_CAP = 2000
+"""Series (kind or histogram, model, device) each metrics hash may hold; past it a new model
+name is counted as `_other` (a client naming models at random cannot grow them)."""
 
 FARM_WIDE = (
     key("pending", ""),
@@ -143,6 +153,8 @@ FARM_WIDE = (
     CONFIG_KEY,
     RECENT_KEY,
     PREFS_KEY,
+    METRICS_JOBS_KEY,
+    METRICS_SECONDS_KEY,
 )
 """The keys without a TTL (a name, or a prefix ending in ':'), each bounded as the table says."""
 

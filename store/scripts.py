@@ -3,7 +3,8 @@ connection.
 
 Every state change of a job is one script: Redis runs it atomically, so two parties racing
 for a job (a worker's finish and the scheduler's requeue, a cancel and a placement) can never
-interleave. `prelude.lua` holds the helpers the scripts share and is put in front of each.
+interleave. `prelude.lua` holds the helpers the scripts share and is put in front of each,
+after the metrics constants (`sdfarm.store.metrics.lua_constants`).
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from __future__ import annotations
 from functools import cache
 from importlib.resources import files
 from typing import Any
+
+from sdfarm.store.metrics import lua_constants
 
 NAMES = (
     "submit",
@@ -34,9 +37,10 @@ NAMES = (
 
 @cache
 def source(name: str) -> str:
-    """The script `name` with the prelude in front."""
+    """The script `name` with the metrics constants and the prelude in front."""
     lua = files("sdfarm.store") / "lua"
-    return (lua / "prelude.lua").read_text() + "\n" + (lua / f"{name}.lua").read_text()
+    prelude = (lua / "prelude.lua").read_text()
+    return lua_constants() + prelude + "\n" + (lua / f"{name}.lua").read_text()
 
 
 def register(client: Any) -> dict[str, Any]:

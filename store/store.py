@@ -37,6 +37,7 @@ from sdfarm.store.keys import (
     EVENTS_CAP,
     JOB_TTL,
     LEADER_KEY,
+    METRICS_KEYS,
     PENDING_COUNT_KEY,
     PREFS_KEY,
     PRIORITIES,
@@ -145,6 +146,7 @@ class Store:
                 CONFIG_KEY,
                 keys.input_key(job_id),
                 keys.owned_key(spec.owner),
+                *METRICS_KEYS,
             ],
             args=[job_id, default_queue_limit, queued, EVENTS_CAP, JOB_TTL, WAKE_CAP,
                   quota if spec.owner else 0, keys.JOB_PREFIX, len(images), *images, *record],
@@ -168,6 +170,7 @@ class Store:
                     keys.done_key(job_id),
                     keys.cancel_key(job_id),
                     keys.pending_key(int(priority)),
+                    *METRICS_KEYS,
                 ],
                 args=[job_id, event("cancelled", by=by), EVENTS_CAP, RESULT_TTL],
             )
@@ -425,6 +428,7 @@ class Store:
                     keys.events_key(job_id),
                     keys.done_key(job_id),
                     LEADER_KEY,
+                    *METRICS_KEYS,
                 ],
                 args=[
                     token,
@@ -467,6 +471,7 @@ class Store:
                     keys.done_key(job_id),
                     LEADER_KEY,
                     keys.cancel_key(job_id),
+                    *METRICS_KEYS,
                 ],
                 args=[
                     token,
@@ -502,6 +507,7 @@ class Store:
                     keys.done_key(job_id),
                     LEADER_KEY,
                     keys.cancel_key(job_id),
+                    *METRICS_KEYS,
                 ],
                 args=[
                     token,
@@ -584,7 +590,12 @@ class Store:
         """The Claim when this message may run the job; None when it is stale."""
         started = time.time()
         got = self._lua["claim"](
-            keys=[keys.job_key(job_id), keys.events_key(job_id), keys.cancel_key(job_id)],
+            keys=[
+                keys.job_key(job_id),
+                keys.events_key(job_id),
+                keys.cancel_key(job_id),
+                *METRICS_KEYS,
+            ],
             args=[
                 dispatch,
                 incarnation,
@@ -644,13 +655,17 @@ class Store:
         records: list[dict[str, Any]] | None = None,
         pngs: list[bytes] | None = None,
         job_fields: dict[str, str] | None = None,
+        load_s: float | None = None,
+        generate_s: float | None = None,
         **event_fields: Any,
     ) -> bool:
         """End a running job of `dispatch` (done, failed, cancelled) with everything that goes
         with it, atomically: `meta`, `records` and the images land in `result:{id}` when
         `meta` is given, `job_fields` in the record (a worker's memory refusal writes
-        `figures` and `estimate` there, as placement's refusal does). False when the job is
-        no longer running under `dispatch`."""
+        `figures` and `estimate` there, as placement's refusal does). `load_s` (a load this
+        job waited for) and `generate_s` are observed in the farm's histograms, in the same
+        step that counts the end (sdfarm.store.metrics). False when the job is no longer
+        running under `dispatch`."""
         if state not in FINAL_STATES:
             raise ValueError(f"not a final state: {state!r}")
         if error:
@@ -670,6 +685,7 @@ class Store:
                     RECENT_KEY,
                     PENDING_COUNT_KEY,
                     keys.cancel_key(job_id),
+                    *METRICS_KEYS,
                 ],
                 args=[
                     dispatch,
@@ -685,6 +701,8 @@ class Store:
                     len(pngs or []),
                     WAKE_CAP,
                     RECENT_CAP,
+                    _seconds(load_s),
+                    _seconds(generate_s),
                     len(extra),
                     *extra,
                     *images,
@@ -729,3 +747,8 @@ def _float(raw: Any) -> float | None:
         return float(decode(raw))
     except ValueError:
         return None
+
+
+def _seconds(value: float | None) -> str:
+    """A duration for a script: "" for none (the script then observes nothing)."""
+    return "" if value is None else repr(max(0.0, float(value)))

@@ -96,6 +96,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="runtime build to use: cpu, vulkan, cuda, metal (default $SDFARM_BACKEND or cpu)",
     )
     parser.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        metavar="PORT",
+        help="serve Prometheus /metrics for this device on PORT (deploy/ uses 9102 for a "
+        "host's first worker; default $SDFARM_WORKER_METRICS_PORT, else off)",
+    )
+    parser.add_argument("--metrics-addr", default="0.0.0.0", help="the address /metrics listens on")
+    parser.add_argument(
         "--json", action="store_true", help="print one JSON line describing the worker at start"
     )
 
@@ -164,7 +173,7 @@ def build_config(args: argparse.Namespace) -> Any:
 
 def run(args: argparse.Namespace) -> int:
     """Run the worker until it is stopped (SIGTERM: finish the running job, then exit)."""
-    from sdfarm.worker import hooks
+    from sdfarm.worker import hooks, metrics
     from sdfarm.worker.app import make_app
     from sdfarm.worker.heartbeat import cache_limits
 
@@ -177,6 +186,9 @@ def run(args: argparse.Namespace) -> int:
     hooks.configure(config)
     transport.on_pool_process(hooks.on_process_init, hooks.on_process_shutdown)
     app = make_app(config.redis_url)
+    port = args.metrics_port if args.metrics_port is not None else metrics.default_port()
+    if port:
+        metrics.serve(config.redis_url, config.device_key, port, args.metrics_addr)
     capacity, overflow = cache_limits(config)
     doc = {
         "event": "worker",
@@ -190,6 +202,7 @@ def run(args: argparse.Namespace) -> int:
         "overflow": overflow,
         "models": config.models,
         "pid": os.getpid(),
+        "metrics_port": port or None,
     }
     if args.json:
         sys.stdout.write(json.dumps(doc) + "\n")

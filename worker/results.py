@@ -151,6 +151,7 @@ class Uploader:
         return bool(ok)
 
     def _finish(self, item: Finished, state: str, error: str, meta: Any, pngs: list[bytes]) -> bool:
+        timings = (meta or {}).get("timings") or {}
         return retry_transient(
             lambda: self._store.finish(
                 item.job_id,
@@ -162,6 +163,8 @@ class Uploader:
                 records=item.records,
                 pngs=pngs,
                 job_fields=item.job_fields,
+                load_s=_positive(timings.get("load_s")),
+                generate_s=_positive(timings.get("generate_s")),
             )
         )
 
@@ -185,3 +188,12 @@ class Uploader:
                 return  # still refused: the next round
             del self.unwritten[job_id]
             log.info("job %s: its failure was written after all", job_id)
+
+
+def _positive(value: Any) -> float | None:
+    """A timing worth observing: a load_s of 0 means the engine was warm (no load)."""
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError):
+        return None
+    return seconds if seconds > 0 else None

@@ -2,26 +2,29 @@
 -- the final state, its running entry, the done token and the event, in one round trip. A job
 -- that is no longer ours (re-placed, or ended by someone else) is left alone. It wakes the
 -- scheduler only when jobs are pending: a freed slot is news only to them.
--- KEYS: job, result, done, events, running, wake, progress, recent, pending count, cancel
+-- It counts the end and observes the job's end-to-end, load and generate seconds.
+-- KEYS: job, result, done, events, running, wake, progress, recent, pending count, cancel,
+--       job counters, seconds
 -- ARGV: dispatch, state, error, ended, event, events cap, finished ttl, job id, meta,
---       records, count, wake cap, recent cap, n (how many job field ARGVs follow), the n job
---       field ARGVs (name, value pairs), then the result's images (png:0, bytes, ...)
+--       records, count, wake cap, recent cap, load seconds ('' when the job loaded
+--       nothing), generate seconds ('' when none), n (how many job field ARGVs follow), the n
+--       job field ARGVs (name, value pairs), then the result's images (png:0, bytes, ...)
 -- Returns 1 ended, 0 not ours.
 local cur = redis.call('HMGET', KEYS[1], 'state', 'dispatch')
 if cur[1] ~= 'running' or cur[2] ~= ARGV[1] then
   return 0
 end
 local ttl = tonumber(ARGV[7])
-local n = tonumber(ARGV[14])
+local n = tonumber(ARGV[16])
 redis.call('HSET', KEYS[1], 'state', ARGV[2], 'error', ARGV[3], 'ended', ARGV[4])
 if n > 0 then
-  redis.call('HSET', KEYS[1], unpack(ARGV, 15, 14 + n))
+  redis.call('HSET', KEYS[1], unpack(ARGV, 17, 16 + n))
 end
 if ARGV[9] ~= '' then
   redis.call('DEL', KEYS[2])
   redis.call('HSET', KEYS[2], 'meta', ARGV[9], 'records', ARGV[10], 'count', ARGV[11])
-  if #ARGV > 14 + n then
-    redis.call('HSET', KEYS[2], unpack(ARGV, 15 + n))
+  if #ARGV > 16 + n then
+    redis.call('HSET', KEYS[2], unpack(ARGV, 17 + n))
   end
   redis.call('EXPIRE', KEYS[2], ttl)
 end
@@ -42,4 +45,8 @@ if ARGV[2] == 'done' then
   redis.call('LPUSH', KEYS[8], ARGV[8])
   redis.call('LTRIM', KEYS[8], 0, tonumber(ARGV[13]) - 1)
 end
+local labels = redis.call('HMGET', KEYS[1], 'model', 'device')
+count_end(KEYS[1], ARGV[2], KEYS[11], KEYS[12])
+observe(KEYS[12], 'load', labels[1], labels[2], tonumber(ARGV[14]))
+observe(KEYS[12], 'generate', labels[1], labels[2], tonumber(ARGV[15]))
 return 1

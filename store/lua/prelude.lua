@@ -35,12 +35,56 @@ local function expire_inputs(job, ttl)
   if inputs and inputs ~= '' then redis.call('EXPIRE', inputs, ttl) end
 end
 
--- A job ends without a result: final state, event, the done token, and the finished TTL
--- on every key it has.
-local function ended(job, events, done, state, ev, cap, ttl)
+-- The farm's metrics (sdfarm.store.metrics; METRICS_* are put in front by scripts.py): the
+-- field of a series, its model folded into METRICS_OTHER when the hash is full and the
+-- series is new (`probe`: the suffix of a field every series has, `per`: fields per series).
+local function series(hash, kind, model, device, probe, per)
+  local f = kind .. '|' .. (model or '') .. '|' .. (device or '')
+  if redis.call('HEXISTS', hash, f .. probe) == 0
+      and redis.call('HLEN', hash) >= METRICS_CAP * per then
+    f = kind .. '|' .. METRICS_OTHER .. '|' .. (device or '')
+  end
+  return f
+end
+
+-- Count one job of `kind` (submitted, done, failed, cancelled, requeued).
+local function count(counters, kind, model, device)
+  redis.call('HINCRBY', counters, series(counters, kind, model, device, '', 1), 1)
+end
+
+-- One observation of histogram `name`: its bucket (not cumulative) and its sum.
+local function observe(seconds, name, model, device, value)
+  if not value or value < 0 then return end
+  local f = series(seconds, name, model, device, '|sum', #METRICS_BOUNDS + 2)
+  local le = '+Inf'
+  for i, b in ipairs(METRICS_BOUNDS) do
+    if value <= b then le = METRICS_LABELS[i]; break end
+  end
+  redis.call('HINCRBY', seconds, f .. '|' .. le, 1)
+  redis.call('HINCRBYFLOAT', seconds, f .. '|sum', value)
+end
+
+-- Seconds since the job was submitted, on the Redis clock (nil without a `created`).
+local function since_created(job)
+  local created = tonumber(redis.call('HGET', job, 'created') or '')
+  if not created then return nil end
+  return tonumber(now()) - created
+end
+
+-- A job reached final `state`: counted by model and device, its end-to-end time observed.
+local function count_end(job, state, counters, seconds)
+  local f = redis.call('HMGET', job, 'model', 'device')
+  count(counters, state, f[1], f[2])
+  observe(seconds, 'end_to_end', f[1], f[2], since_created(job))
+end
+
+-- A job ends without a result: final state, event, the done token, the finished TTL on every
+-- key it has, and the metrics.
+local function ended(job, events, done, state, ev, cap, ttl, counters, seconds)
   redis.call('HSET', job, 'state', state, 'ended', now())
   log(events, ev, cap, ttl)
   redis.call('RPUSH', done, state)
   for _, k in ipairs({job, events, done}) do redis.call('EXPIRE', k, ttl) end
   expire_inputs(job, ttl)
+  count_end(job, state, counters, seconds)
 end

@@ -2,7 +2,7 @@
 -- Idempotent: a retry of a submit whose reply was lost (the connection dropped) finds its job
 -- and queues nothing twice.
 -- KEYS: job, pending list, pending count, events, wake, config, inputs, owned (the owner's
---       admitted jobs; any key when there is no quota)
+--       admitted jobs; any key when there is no quota), job counters, seconds histograms
 -- ARGV: id, default queue limit, queued event, events cap, job ttl, wake cap, quota (live jobs
 --       the owner may have; 0: none), job key prefix, n (how many input ARGVs follow), the n
 --       input ARGVs (name, bytes pairs: the job's images), then the record's field/value pairs
@@ -40,6 +40,7 @@ if n > 0 then
 end
 redis.call('RPUSH', KEYS[2], ARGV[1])
 redis.call('INCR', KEYS[3])
+count(KEYS[9], 'submitted', redis.call('HGET', KEYS[1], 'model'), '')
 log(KEYS[4], ARGV[3], ARGV[4], ARGV[5])
 redis.call('LPUSH', KEYS[5], '1')
 redis.call('LTRIM', KEYS[5], 0, tonumber(ARGV[6]) - 1)

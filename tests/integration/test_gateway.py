@@ -14,6 +14,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from sdfarm.gateway.bodylimit import MAX_BODY
 from sdfarm.native.params import MAX_BATCH, MAX_SIZE
@@ -173,18 +174,18 @@ def test_devices_health_and_metrics(http: httpx.Client, gateway: str) -> None:
     assert httpx.get(f"{gateway}/healthz").json() == {"ok": True}  # no token needed
     devs = http.get("/v1/devices").json()["data"]
     assert [d["alive"] for d in devs] == [True]
-    text = http.get("/metrics").text
-    samples = {}
-    for line in text.splitlines():
-        if line.startswith("#") or not line:
-            assert re.fullmatch(r"(# (HELP|TYPE) \w+ .+)?", line), line
-            continue
-        m = re.fullmatch(r'(\w+)(\{\w+="[^"]*"(,\w+="[^"]*")*\})? (-?[0-9.e+]+)', line)
-        assert m, line
-        samples[m.group(1) + (m.group(2) or "")] = float(m.group(4))
-    assert samples["sdfarm_devices_alive"] == 1
-    assert samples['sdfarm_jobs{state="done"}'] >= 1
-    assert 'sdfarm_queue_depth{priority="0"}' in samples
+    resp = http.get("/metrics")
+    assert resp.headers["content-type"].startswith("text/plain; version=")
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(resp.text)
+        for s in family.samples
+    }
+    assert samples[("sdfarm_devices_alive", ())] == 1
+    done = (("device", "gatewayhost/CPU"), ("model", MODEL))
+    assert samples[("sdfarm_jobs_done_total", done)] >= 1
+    assert samples[("sdfarm_job_end_to_end_seconds_count", done)] >= 1
+    assert ("sdfarm_queue_depth", (("priority", "0"),)) in samples
 
 
 def test_a_token_over_its_rate_gets_429_with_retry_after(redis_url: str) -> None:
