@@ -55,6 +55,7 @@ def test_a_finished_job_leaves_only_expiring_keys(store: Store) -> None:
     dispatch = place(store, job_id)
     claim = store.claim(job_id, dispatch, "inc-1", "w1")
     assert claim is not None and claim.estimate == 123 and not claim.cancelled
+    assert claim.tiling is None  # placed without a tiling plan
     assert not store.publish_progress(job_id, 1, 2, 0.5)
     assert store.finish(
         job_id, dispatch, "h/CPU", "done", meta={"a": 1}, records=[], pngs=[b"png-bytes"]
@@ -190,3 +191,15 @@ def test_input_images_travel_with_the_job_and_expire_with_it(store: Store) -> No
     assert store.claim(with_inputs, dispatch, "inc", "w") is not None
     assert store.finish(with_inputs, dispatch, "h/CPU", "done", meta={}, pngs=[b"x"])
     assert 0 < store.ttls(with_inputs)[keys.input_key(with_inputs)] <= keys.RESULT_TTL
+
+
+def test_the_tiling_plan_travels_from_placement_to_the_claim(store: Store) -> None:
+    job_id = submit(store)
+    plan = {"tiled": True, "estimate": 456, "warning": "decoded in tiles: ..."}
+    dispatch = new_dispatch_id()
+    assert store.place(TOKEN, job_id, 5, "h/CPU", dispatch, 456, "fits", (), HELD, plan) == 1
+    assert store.record(job_id)["estimate"] == "456"
+    (placed,) = [e for e in store.events(job_id) if e["event"] == "placed"]
+    assert placed["tiled"] is True
+    claim = store.claim(job_id, dispatch, "inc", "w")
+    assert claim is not None and claim.tiling == plan and claim.estimate == 456
