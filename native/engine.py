@@ -477,14 +477,20 @@ class Engine:
         size_estimate = estimate or tiling.estimate
         limit = self._verdict.refuse_figure
         if self._verdict.action != "skip" and limit is not None and size_estimate > limit:
+            tiled = self.estimate_for(*params.final_size, params.encodes, lora_bytes, tiled=True)
+            hint = (
+                f". Decoded in tiles (vae_tiling auto or on) it would need "
+                f"{memory.format_bytes(tiled)}"
+                if not tiling.tiled and tiled < size_estimate
+                else ""
+            )
             raise ModelTooLargeError(
                 f"{params.width}x{params.height} needs an estimated "
                 f"{memory.format_bytes(size_estimate)} for {self.model.name!r} (the estimate "
                 f"grows above the native {self.capabilities.native_size[0]}x"
                 f"{self.capabilities.native_size[1]}"
                 f"{', decoded in tiles' if tiling.tiled else ''}); this host has "
-                f"{memory.format_bytes(limit)}"
-                f"{'' if tiling.tiled else '. vae_tiling auto or on may fit it'}",
+                f"{memory.format_bytes(limit)}{hint}",
                 size_estimate,
                 self._verdict.figures,
             )

@@ -67,7 +67,7 @@ def test_off_is_refused_with_the_memory_error(engine: Engine) -> None:
     calls = engine.native_calls
     with pytest.raises(ModelTooLargeError, match="1024x256 needs an estimated 1.10 GiB") as err:
         engine.generate(GenerationParams(**WIDE, vae_tiling="off"))
-    assert "vae_tiling auto or on may fit it" in str(err.value)
+    assert "Decoded in tiles (vae_tiling auto or on) it would need 865.4 MiB" in str(err.value)
     assert err.value.estimate == engine.estimate_for(1024, 256)
     assert engine.native_calls == calls
 
