@@ -113,3 +113,4 @@ def test_a_farm_places_it_tiled_on_a_device_whose_figure_refuses_it_untiled(
     assert_real_image(result.image, (1024, 256))
     assert "needs an estimated 1.10 GiB (vae_tiling off" in err.value.error
     assert err.value.estimate == untiled
+    assert err.value.figures  # a memory refusal: the gateway answers it with 507
