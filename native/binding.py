@@ -63,7 +63,14 @@ typedef struct {
     float flow_shift;
     ...;
 } sd_sample_params_t;
-typedef struct { bool enabled; ...; } sd_tiling_params_t;
+typedef struct {
+    bool enabled;
+    int tile_size_x;
+    int tile_size_y;
+    float target_overlap;
+    float rel_size_x;
+    float rel_size_y;
+} sd_tiling_params_t;
 enum sd_cache_mode_t { SD_CACHE_DISABLED, ... };
 typedef struct { enum sd_cache_mode_t mode; ...; } sd_cache_params_t;
 enum sd_hires_upscaler_t { SD_HIRES_UPSCALER_NONE, SD_HIRES_UPSCALER_LATENT, ... };

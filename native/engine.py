@@ -34,13 +34,14 @@ from sdfarm.native.errors import (
     ModelLoadError,
     ModelTooLargeError,
 )
-from sdfarm.native.estimate import ModelFacts, model_facts, use_vae_conv_direct
+from sdfarm.native.estimate import VAE_TILE_LATENT, ModelFacts, model_facts, use_vae_conv_direct
 from sdfarm.native.fitplan import FitPlan, plan_fit
 from sdfarm.native.loras import LoraFile
 from sdfarm.native.model import Model
 from sdfarm.native.params import STEP_CACHES, GenerationParams, validate
 from sdfarm.native.ring import LogRing
 from sdfarm.native.roles import ROLE_PARAMS
+from sdfarm.native.tiling import TilingPlan, plan_tiling
 
 WARMUP = GenerationParams(prompt="warm-up", width=64, height=64, steps=1, seed=1)
 
@@ -250,7 +251,10 @@ class Engine:
             os.environ["SD_VK_DEVICE"] = compute.name[len("Vulkan") :]
 
     def _run(
-        self, params: GenerationParams, progress: Callable[[int, int, float], None] | None
+        self,
+        params: GenerationParams,
+        progress: Callable[[int, int, float], None] | None,
+        tiled: bool = False,
     ) -> list[Image.Image]:
         ffi, lib = self._ffi, self._lib
         g = ffi.new("sd_img_gen_params_t*")
@@ -275,6 +279,11 @@ class Engine:
             g.hires.steps = params.hires_steps
             g.hires.denoising_strength = params.hires_strength
         keep += self._set_loras(g, params)
+        if tiled:
+            # A tile of VAE_TILE_LATENT latent cells a side, the runtime's own overlap.
+            g.vae_tiling_params.enabled = True
+            g.vae_tiling_params.tile_size_x = VAE_TILE_LATENT
+            g.vae_tiling_params.tile_size_y = VAE_TILE_LATENT
         if params.sampler != "default":
             g.sample_params.sample_method = _enum_index(
                 lib.sd_sample_method_name, params.sampler, lib.SAMPLE_METHOD_COUNT, ffi
@@ -399,6 +408,8 @@ class Engine:
             "hires_strength": g.hires.denoising_strength,
             "hires_size": f"{g.hires.target_width}x{g.hires.target_height}",
             "step_cache": STEP_CACHES[g.cache.mode],
+            "vae_tiling": "on" if g.vae_tiling_params.enabled else "off",
+            "vae_tile_size": [g.vae_tiling_params.tile_size_x, g.vae_tiling_params.tile_size_y],
         }
 
     def _watch_progress(
@@ -430,13 +441,16 @@ class Engine:
         log: LogConfig | None = None,
         estimate: int | None = None,
         loras: Mapping[str, LoraFile] | None = None,
+        tiling: TilingPlan | None = None,
         **kwargs: Any,
     ) -> GenerationResult:
         """Generate `params` (or keyword arguments of GenerationParams). `log` overrides the
         engine's log settings for this call (a farm's jobs each choose their level and whether
         prompts stay in records). `estimate` is the job's estimate as the scheduler placed it
         (sdfarm.native.estimate); without it the engine makes it from its own facts. `loras`
-        are the checked files (sdfarm.native.loras) of the LoRAs `params` names. Raises
+        are the checked files (sdfarm.native.loras) of the LoRAs `params` names. `tiling` is
+        the plan the scheduler placed the job with (sdfarm.native.tiling); without it the
+        engine plans from its own figure (`tiling_plan`). Raises
         InvalidParameterError before any native call, ModelTooLargeError when the estimate
         at the requested size exceeds what refuses a load, GenerationError quoting the
         runtime's error records."""
@@ -458,17 +472,25 @@ class Engine:
             raise InvalidParameterError("loras", f"unknown LoRA {missing[0]!r}")
         self._lora_paths = {name: files[name].path for name, _ in params.loras}
         lora_bytes = sum(files[name].size for name, _ in params.loras)
-        size_estimate = estimate or self.estimate_for(
-            *params.final_size, params.encodes, lora_bytes
-        )
+        if tiling is None:
+            tiling = self.tiling_plan(params, lora_bytes)
+        size_estimate = estimate or tiling.estimate
         limit = self._verdict.refuse_figure
         if self._verdict.action != "skip" and limit is not None and size_estimate > limit:
+            tiled = self.estimate_for(*params.final_size, params.encodes, lora_bytes, tiled=True)
+            hint = (
+                f". Decoded in tiles (vae_tiling auto or on) it would need "
+                f"{memory.format_bytes(tiled)}"
+                if not tiling.tiled and tiled < size_estimate
+                else ""
+            )
             raise ModelTooLargeError(
                 f"{params.width}x{params.height} needs an estimated "
                 f"{memory.format_bytes(size_estimate)} for {self.model.name!r} (the estimate "
                 f"grows above the native {self.capabilities.native_size[0]}x"
-                f"{self.capabilities.native_size[1]}); this host has "
-                f"{memory.format_bytes(limit)}",
+                f"{self.capabilities.native_size[1]}"
+                f"{', decoded in tiles' if tiling.tiled else ''}); this host has "
+                f"{memory.format_bytes(limit)}{hint}",
                 size_estimate,
                 self._verdict.figures,
             )
@@ -483,7 +505,7 @@ class Engine:
         with Engine._native_lock:
             if log is not None:
                 self._ring.configure(cfg.ring_bytes, cfg.native)
-            images = self._run(params, progress)
+            images = self._run(params, progress, tiling.tiled)
             raw = self._drain_raw(scrub)
         seconds = time.monotonic() - started
         records = self._take_records(raw, cfg)
@@ -497,6 +519,8 @@ class Engine:
                 records=errors,
             )
         warnings = [r.message for r in raw if r.level == "warn"] + self._input_notes
+        if tiling.warning:
+            warnings.append(tiling.warning)
         if self._verdict.action == "warn":
             warnings.insert(0, self._verdict.message)
         metadata = {
@@ -507,6 +531,7 @@ class Engine:
             "sd_version": self.capabilities.sd_version,
             "seeds": [params.seed + i for i in range(len(images))],
             "estimate": size_estimate,
+            "vae_tiled": tiling.tiled,
             "fit_plan": self.fit.as_dict(),
             "warnings": warnings,
             "timings": {"generate_s": round(seconds, 4)},
@@ -514,10 +539,26 @@ class Engine:
         return GenerationResult(images, params, metadata, records)
 
     def estimate_for(
-        self, width: int, height: int, encodes: bool = False, extra_bytes: int = 0
+        self,
+        width: int,
+        height: int,
+        encodes: bool = False,
+        extra_bytes: int = 0,
+        tiled: bool = False,
     ) -> int:
         """This engine's estimate of a width x height job (`ModelFacts.estimate`)."""
-        return self.facts.estimate(width, height, encodes, extra_bytes)
+        return self.facts.estimate(width, height, encodes, extra_bytes, tiled)
+
+    def tiling_plan(self, params: GenerationParams, extra_bytes: int = 0) -> TilingPlan:
+        """How this engine decodes `params` when no farm planned it: `plan_tiling` against
+        the compute device's figure its memory check read (the GPU's for a GPU, whose
+        compute buffers cannot spill; MemAvailable for the CPU), none when unchecked."""
+        size = params.final_size
+        untiled = self.estimate_for(*size, params.encodes, extra_bytes)
+        tiled = self.estimate_for(*size, params.encodes, extra_bytes, tiled=True)
+        checked = self._verdict.action != "skip"
+        figure = self._verdict.compute_figure if checked else None
+        return plan_tiling(untiled, tiled, params.vae_tiling, figure)
 
     def drain_load_records(self) -> list[logs.LogRecord]:
         """Records of the load (and warm-up), once."""

@@ -11,7 +11,9 @@ from its own facts.
 The terms: the seed's rule (model files + a quarter + 512 MiB), growth with the pixels above
 the model's native size, and the decode's working memory per output pixel where the engine
 decodes without direct convolution (the full VAE through im2col on CUDA), twice when an input
-image is encoded first. Later terms (the extra files of a LoRA or a ControlNet) join here.
+image is encoded first. A tiled decode (sdfarm.native.tiling decides when) bounds the decode's
+terms by a tile (`estimate(..., tiled=True)`). Later terms (the extra files of a LoRA or a
+ControlNet) join here.
 """
 
 from __future__ import annotations
@@ -24,6 +26,15 @@ from typing import Any
 from sdfarm.native import memory
 from sdfarm.native.devices import Device
 
+VAE_TILE_LATENT = 32
+"""A tiled decode's tile side in latent cells: the runtime's own default (vae.hpp
+get_tile_sizes), 256 output pixels for a VAE that scales by 8, 512 for one that scales by 16."""
+
+VAE_TILE_PIXELS = VAE_TILE_LATENT * 16
+"""The tile side in output pixels the tiled estimate assumes: the larger of the two scales,
+since a model's facts do not say which its VAE has (cautious by 4x in area for SD, SDXL, Flux
+and the tiny model, whose VAEs scale by 8)."""
+
 
 @dataclass(frozen=True)
 class ModelFacts:
@@ -34,13 +45,31 @@ class ModelFacts:
     native_size: tuple[int, int]
     decode_per_pixel: int = 0
 
-    def estimate(self, width: int, height: int, encodes: bool = False, extra_bytes: int = 0) -> int:
+    def estimate(
+        self,
+        width: int,
+        height: int,
+        encodes: bool = False,
+        extra_bytes: int = 0,
+        tiled: bool = False,
+    ) -> int:
         """The peak memory estimate of this model generating width x height images; an image
         to encode first (img2img, inpainting) adds the encoder's working memory, which is the
         decoder's per pixel (the same convolutions run the other way); `extra_bytes` are the
-        files a job adds (its LoRAs), counted like the model's (the seed's quarter on top)."""
+        files a job adds (its LoRAs), counted like the model's (the seed's quarter on top).
+        `tiled`: the VAE decodes (and encodes) in tiles of VAE_TILE_PIXELS a side, which
+        bounds the decode's terms by a tile (memory.tiled_estimate_bytes says which)."""
         nw, nh = self.native_size
         per_pixel = self.decode_per_pixel * (2 if encodes else 1)
+        if tiled:
+            return memory.tiled_estimate_bytes(
+                self.bytes + extra_bytes,
+                int(width),
+                int(height),
+                nw * nh,
+                VAE_TILE_PIXELS,
+                decode_per_pixel=per_pixel,
+            )
         return memory.estimate_bytes(
             self.bytes + extra_bytes,
             int(width),

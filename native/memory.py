@@ -77,6 +77,48 @@ at 512x512 and 10.01 GiB at 1024x1024 against seed estimates of 3.54 and 5.79 Gi
 decode working memory beyond the weights. 10 KiB per pixel covers both."""
 
 
+TILED_GROWTH_BYTES_PER_PIXEL = 1024
+"""Bytes the peak still grows per output pixel above the native size when the VAE decodes
+in tiles: what grows with the image besides the decode's working memory.
+
+A tiled decode bounds the decode's working memory (convolutions over the full-resolution
+image, the largest term of GROWTH_BYTES_PER_PIXEL: ../shared/facts/runtime.md) by one tile,
+but not the rest: the diffusion model's activations over the latent (with flash attention
+about 0.5 GB more at 1024x1024 than at 512x512 for the SD-Turbo-class model on the CPU, facts
+file: 0.67 KiB per pixel above native), the latent itself, and the full-size image the tiles
+are stitched into (float RGB, 12 bytes per pixel) with its 8-bit copies (3 bytes each: the
+runtime's, ours, PIL's). 1 KiB per pixel covers those; the tiny model measures it in
+bench/vae_tiling.py (docs/memory.md, "VAE tiling")."""
+
+
+def tiled_estimate_bytes(
+    model_bytes: int,
+    width: int,
+    height: int,
+    native_pixels: int,
+    tile_side: int,
+    decode_per_pixel: int = 0,
+) -> int:
+    """`estimate_bytes` for a VAE that decodes (and encodes) in tiles of at most
+    `tile_side` x `tile_side` output pixels.
+
+    The terms a tiled decode bounds take the tile's pixels instead of the image's: the
+    decode's share of the growth (GROWTH_BYTES_PER_PIXEL - TILED_GROWTH_BYTES_PER_PIXEL, for
+    the tile's pixels above the native size) and `decode_per_pixel`. What grows with the
+    image whatever the decode does keeps growing with every pixel above the native size
+    (TILED_GROWTH_BYTES_PER_PIXEL). An image no larger than a tile gets the untiled estimate.
+    """
+    if min(model_bytes, width, height, native_pixels, tile_side, decode_per_pixel) < 0:
+        raise ValueError("tiled_estimate_bytes takes non-negative sizes")
+    pixels = width * height
+    tile = min(width, tile_side) * min(height, tile_side)
+    seed = model_bytes + model_bytes // 4 + SEED_OVERHEAD
+    rest = max(0, pixels - native_pixels) * TILED_GROWTH_BYTES_PER_PIXEL
+    decode_growth = GROWTH_BYTES_PER_PIXEL - TILED_GROWTH_BYTES_PER_PIXEL
+    decode = max(0, tile - native_pixels) * decode_growth + tile * decode_per_pixel
+    return seed + rest + decode
+
+
 def describe_estimate(
     model_bytes: int,
     width: int,

@@ -125,6 +125,8 @@ MAX_LORAS = 8
 STEP_CACHES = ("off", "easycache", "ucache", "dbcache", "taylorseer", "cache_dit", "spectrum")
 """sd_cache_mode_t of master-596, in its order ("off" is SD_CACHE_DISABLED)."""
 MAX_LORA_WEIGHT = 10.0
+VAE_TILING = ("auto", "on", "off")
+"""The values of `vae_tiling` (sdfarm.native.tiling.CHOICES)."""
 
 
 @dataclass(frozen=True)
@@ -316,6 +318,11 @@ class GenerationParams:
         "different. ucache suits UNet models (SD 1.x/2.x/XL), easycache, dbcache, taylorseer "
         "and cache_dit DiT models, spectrum both; the runtime ignores a mode the model cannot "
         "use, with a warning (measured: bench/step_cache.py, docs/gpu.md)", choices=STEP_CACHES,
+    )  # fmt: skip
+    vae_tiling: str = param(
+        "choice", "auto", "decode the image in tiles, which bounds the decode's memory: auto "
+        "tiles when the untiled estimate does not fit the device (the job's warnings say "
+        "so), on always, off never", choices=VAE_TILING,
     )  # fmt: skip
 
     @property

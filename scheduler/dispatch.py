@@ -23,7 +23,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 from sdfarm.native.errors import InvalidParameterError
-from sdfarm.native.params import from_mapping
+from sdfarm.native.params import VAE_TILING, from_mapping
 from sdfarm.scheduler import fairness, placement
 from sdfarm.scheduler.registry import (
     DEFAULT_BACKLOG,
@@ -74,8 +74,8 @@ class DispatchConfig:
             raise ValueError(f"queue limit must be at least 1, got {self.queue_limit}")
 
 
-Shape = tuple[str, int, int, bool, tuple[str, ...]]
-"""(model, width, height, encodes an input image, its LoRAs)."""
+Shape = tuple[str, int, int, bool, tuple[str, ...], str]
+"""(model, width, height, encodes an input image, its LoRAs, its vae_tiling choice)."""
 
 
 @dataclass(frozen=True)
@@ -91,11 +91,12 @@ class PendingJob:
     height: int
     encodes: bool = False
     loras: tuple[str, ...] = ()
+    vae_tiling: str = "auto"
 
     @property
     def shape(self) -> Shape:
         """What the job's estimate depends on: jobs of one shape share it."""
-        return (self.model, self.width, self.height, self.encodes, self.loras)
+        return (self.model, self.width, self.height, self.encodes, self.loras, self.vae_tiling)
 
 
 class Outbox(Protocol):
@@ -335,7 +336,7 @@ class Dispatcher:
             return stats
         devices = {d.key: d for d in snap.devices}
         now = self.clock()
-        estimates: dict[Shape, int] = {}
+        estimates: dict[Shape, placement.JobRequest] = {}
         groups: dict[Shape, list[PendingJob]] = {}
         for job in jobs:
             groups.setdefault(job.shape, []).append(job)
@@ -349,15 +350,19 @@ class Dispatcher:
                 continue
             self._missing_since.pop(model, None)
             sizes = snap.loras()
-            estimate = facts.estimate(*shape[1:4], sum(sizes.get(n, 0) for n in shape[4]))
-            outcome = placement.place(
-                placement.JobRequest(model, estimate), list(devices.values()), now
+            extra = sum(sizes.get(n, 0) for n in shape[4])
+            asked = placement.JobRequest(
+                model,
+                facts.estimate(*shape[1:4], extra),
+                tiled_estimate=facts.estimate(*shape[1:4], extra, tiled=True),
+                vae_tiling=shape[5],
             )
+            outcome = placement.place(asked, list(devices.values()), now)
             if isinstance(outcome, placement.Refuse):
-                fail = [self._fail(j, outcome.reason, outcome.figures, estimate) for j in group]
+                fail = [self._fail(j, outcome.reason, outcome.figures, asked.least) for j in group]
                 stats["refused"] += sum(fail)
             else:
-                estimates[shape] = estimate
+                estimates[shape] = asked
         if not _room(devices):
             return stats
         by_id = {j.job_id: j for j in jobs}
@@ -366,15 +371,17 @@ class Dispatcher:
             for i, j in enumerate(jobs)
             if j.shape in estimates
         ]
-        waits: set[tuple[str, int]] = set()
+        waits: set[tuple[str, int, str]] = set()
         for p in fairness.iter_order(pending, snap.running_by_submitter()):
             job = by_id[p.job_id]
-            estimate = estimates[job.shape]
-            if (job.model, estimate) in waits:
+            asked = estimates[job.shape]
+            if (job.model, asked.estimate, asked.vae_tiling) in waits:
                 continue
-            request = placement.JobRequest(job.model, estimate, job.priority, job.submitter)
+            request = replace(asked, priority=job.priority, submitter=job.submitter)
             outcome = placement.place(request, list(devices.values()), now)
             if isinstance(outcome, placement.Placed):
+                # The plan on the device it got (placement carries one for every such job).
+                estimate = outcome.tiling.estimate if outcome.tiling else asked.estimate
                 if self._send(job, outcome, estimate):
                     stats["placed"] += 1
                     devices[outcome.device] = account(
@@ -383,9 +390,9 @@ class Dispatcher:
                     if not _room(devices):
                         break
             elif isinstance(outcome, placement.Refuse):  # not reached: refusals went above
-                stats["refused"] += self._fail(job, outcome.reason, outcome.figures, estimate)
+                stats["refused"] += self._fail(job, outcome.reason, outcome.figures, asked.least)
             else:
-                waits.add((job.model, estimate))
+                waits.add((job.model, asked.estimate, asked.vae_tiling))
                 held = placement.reserve_device(request, list(devices.values()), now)
                 if held is not None:
                     devices[held] = replace(devices[held], accepting=False)
@@ -417,6 +424,7 @@ class Dispatcher:
                 outcome.tier,
                 outcome.evict,
                 self.outbox.message(job.job_id, dispatch, outcome.device),
+                tiling=outcome.tiling.as_json() if outcome.tiling else None,
             )
         )
         self._meta.pop(job.job_id, None)
@@ -483,13 +491,15 @@ def _pending_job(job_id: str, priority: int, values: list[Any]) -> PendingJob | 
         width, height = from_mapping(params).final_size  # hires: the final size counts
         encodes = params.get("init_image") is not None
         loras = tuple(str(pair[0]) for pair in params.get("loras") or [])
+        tiling = str(params.get("vae_tiling") or "auto")
+        tiling = tiling if tiling in VAE_TILING else "auto"
     except (ValueError, TypeError, AttributeError, IndexError, InvalidParameterError):
-        width, height, encodes, loras = 256, 256, False, ()
+        width, height, encodes, loras, tiling = 256, 256, False, (), "auto"
     try:
         created_at = float(created or 0)
     except ValueError:
         created_at = 0.0
     return PendingJob(
         job_id, model, priority, submitter or "anonymous", created_at, width, height, encodes,
-        loras,
+        loras, tiling,
     )  # fmt: skip

@@ -17,12 +17,20 @@ Tiers, best first, per alive device that accepts work (SPEC "scheduler: placemen
                      of the model staying in system memory), again counting evictable engines.
 
 Then no tier: the device cannot take the job now.
+
+A job whose VAE may decode in tiles (`vae_tiling` auto) has two estimates. Per device, the one
+rule of sdfarm.native.tiling (`plan_tiling`) picks one against what the device's compute
+figure can give the job (its figure, plus what the model's engine there holds, plus the idle
+engines it may evict): a device where only the tiled estimate fits gets the job with the tiled
+estimate, and the `Placed` outcome carries that plan for the job record and the worker.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+
+from sdfarm.native.tiling import TilingPlan, least_estimate, plan_tiling
 
 MiB = 1024 * 1024
 GiB = 1024 * MiB
@@ -123,10 +131,26 @@ class JobRequest:
     estimate: int
     priority: int = 5
     submitter: str = ""
+    tiled_estimate: int | None = None
+    vae_tiling: str = "auto"
 
     def __post_init__(self) -> None:
-        if self.estimate < 0:
+        if self.estimate < 0 or (self.tiled_estimate or 0) < 0:
             raise ValueError(f"job for {self.model!r}: negative estimate {self.estimate}")
+
+    @property
+    def tiled(self) -> int:
+        """The estimate decoded in tiles (`estimate` when the job has no tiled form)."""
+        return self.estimate if self.tiled_estimate is None else self.tiled_estimate
+
+    def plan(self, figure: int | None) -> TilingPlan:
+        """How the job decodes on a device that can give it `figure` (`plan_tiling`)."""
+        return plan_tiling(self.estimate, self.tiled, self.vae_tiling, figure)
+
+    @property
+    def least(self) -> int:
+        """The smallest estimate the job may run with: what an emptied device must hold."""
+        return least_estimate(self.estimate, self.tiled, self.vae_tiling)
 
 
 @dataclass(frozen=True)
@@ -137,6 +161,7 @@ class Placed:
     device: str
     tier: str
     evict: tuple[str, ...] = ()
+    tiling: TilingPlan | None = None
 
 
 @dataclass(frozen=True)
@@ -237,6 +262,7 @@ class _Option:
     device: DeviceState
     tier: str
     evict: tuple[str, ...]
+    tiling: TilingPlan | None = None
 
     def rank(self) -> tuple[int, bool, int, int, str]:
         """Best first: tier, then (within the slow path) no eviction over eviction, then the
@@ -250,14 +276,25 @@ class _Option:
         )
 
 
+def plan_for(job: JobRequest, device: DeviceState, now: float) -> TilingPlan:
+    """How `job` decodes on `device`: the plan against what the device's compute figure can
+    give it, counting the model's engine there and the idle engines it may evict."""
+    held = next((m for m in device.loaded if m.name == job.model), None)
+    others = [m for m in _evictable(device, now) if m.name != job.model]
+    room = device.compute_figure + (held.estimate if held else 0)
+    return job.plan(room + sum(m.estimate for m in others))
+
+
 def tier_for(
     job: JobRequest, device: DeviceState, now: float
 ) -> tuple[str, tuple[str, ...]] | None:
-    """The best tier `device` offers `job` now and the engines to evict for it, or None.
+    """The best tier `device` offers `job` now and the engines to evict for it, or None;
+    judged by the estimate of the job's plan on this device (`plan_for`).
 
     Backlog room is not looked at here: a full device still has a tier, which decides whether
     the job waits for it (see `place`).
     """
+    job = replace(job, estimate=plan_for(job, device, now).estimate, tiled_estimate=None)
     held = next((m for m in device.loaded if m.name == job.model), None)
     if held is not None:
         return _tier_for_held(job, device, held, now)
@@ -329,7 +366,7 @@ def place(job: JobRequest, devices: Sequence[DeviceState], now: float) -> Outcom
             continue
         found = tier_for(job, device, now)
         if found is not None:
-            options.append(_Option(device, found[0], found[1]))
+            options.append(_Option(device, found[0], found[1], _carried(job, device, now)))
 
     ready = sorted((o for o in options if o.device.has_room), key=_Option.rank)
     holders = [o for o in options if o.tier == TIER_LOADED]
@@ -350,12 +387,11 @@ def place(job: JobRequest, devices: Sequence[DeviceState], now: float) -> Outcom
         keys = ", ".join(sorted(o.device.key for o in options))
         return Wait(f"every device that can take {job.model} is busy (backlog full): {keys}")
 
-    if any(job.estimate <= max(d.capacity, d.slow_capacity) for d in alive):
-        roomy = ", ".join(
-            sorted(d.key for d in alive if job.estimate <= max(d.capacity, d.slow_capacity))
-        )
+    least = job.least
+    if any(least <= max(d.capacity, d.slow_capacity) for d in alive):
+        roomy = ", ".join(sorted(d.key for d in alive if least <= max(d.capacity, d.slow_capacity)))
         return Wait(
-            f"{job.model} (estimate {fmt_bytes(job.estimate)}) fits no device now; "
+            f"{job.model} (estimate {fmt_bytes(least)}) fits no device now; "
             f"waiting for engines to be freed on {roomy}"
         )
 
@@ -364,15 +400,34 @@ def place(job: JobRequest, devices: Sequence[DeviceState], now: float) -> Outcom
     ignored = f" ({dead} dead device(s) not counted)" if dead else ""
     return Refuse(
         reason=(
-            f"{job.model} needs an estimated {fmt_bytes(job.estimate)}, more than any device "
-            f"could ever give it, even emptied{ignored}:\n{figures_table(alive)}"
+            f"{job.model} needs an estimated {fmt_bytes(least)}{_tiling_note(job)}, more than "
+            f"any device could ever give it, even emptied{ignored}:\n{figures_table(alive)}"
         ),
         figures=figures,
     )
 
 
+def _carried(job: JobRequest, device: DeviceState, now: float) -> TilingPlan | None:
+    """The plan a `Placed` carries: None for a job with one estimate and no choice made."""
+    if job.tiled_estimate is None and job.vae_tiling == "auto":
+        return None
+    return plan_for(job, device, now)
+
+
+def _tiling_note(job: JobRequest) -> str:
+    """What a refusal says of tiling: that even tiled it does not fit, or what tiling would
+    need when the user turned it off."""
+    if job.tiled >= job.estimate:
+        return ""
+    if job.vae_tiling == "off":
+        return f" (vae_tiling off; decoded in tiles it would need {fmt_bytes(job.tiled)})"
+    return f" even decoded in tiles (untiled {fmt_bytes(job.estimate)})"
+
+
 def _placed(option: _Option) -> Placed:
-    return Placed(device=option.device.key, tier=option.tier, evict=option.evict)
+    return Placed(
+        device=option.device.key, tier=option.tier, evict=option.evict, tiling=option.tiling
+    )
 
 
 def reserve_device(job: JobRequest, devices: Sequence[DeviceState], now: float) -> str | None:
@@ -387,7 +442,7 @@ def reserve_device(job: JobRequest, devices: Sequence[DeviceState], now: float) 
     live = [d for d in devices if d.alive and d.accepting]
     if any(tier_for(job, d, now) is not None for d in live):
         return None
-    roomy = [d for d in live if job.estimate <= max(d.capacity, d.slow_capacity)]
+    roomy = [d for d in live if job.least <= max(d.capacity, d.slow_capacity)]
     if not roomy:
         return None
     return max(roomy, key=lambda d: (max(d.capacity, d.slow_capacity), d.key)).key

@@ -12,6 +12,7 @@ Job record `job:{id}` (hash), written at submit and then by each transition:
 | created | submit (Redis clock) | when it was queued |
 | deadline | submit | seconds the job may take once placed (then it fails, its worker stops) |
 | estimate | place, fail | the job's memory estimate in bytes (the worker and engine use it) |
+| tiling | place | the VAE tiling plan the worker's engine obeys: {tiled, estimate, warning} |
 | device, dispatch, tier, placed | place | where it went and the dispatch id its message carries |
 | attempts, lost_on | requeue | lost runs and the devices that lost them |
 | started, incarnation, worker | claim | when and which worker process runs it |
@@ -181,14 +182,16 @@ def event(kind: str, **fields: Any) -> str:
 @dataclass(frozen=True)
 class Claim:
     """A successful claim: the job's spec JSON, when it was created and when this worker
-    started it, the estimate the scheduler placed it with (0 when none was recorded), and
-    whether a cancel was asked for before it started."""
+    started it, the estimate the scheduler placed it with (0 when none was recorded),
+    whether a cancel was asked for before it started, and the VAE tiling plan it was placed
+    with (the JSON of sdfarm.native.tiling.TilingPlan; None when none was recorded)."""
 
     spec: str
     created: float
     started: float
     estimate: int
     cancelled: bool
+    tiling: dict[str, Any] | None = None
 
 
 @dataclass

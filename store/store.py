@@ -377,11 +377,17 @@ class Store:
         tier: str,
         evict: Iterable[str],
         message: tuple[str, str],
+        tiling: Mapping[str, Any] | None = None,
     ) -> int:
         """1 placed (and its Celery message `(queue list, body)` pushed), 0 no longer queued,
-        NOT_LEADER."""
+        NOT_LEADER. `tiling` is the job's VAE tiling plan on that device (the JSON of
+        sdfarm.native.tiling.TilingPlan), kept in the record for its worker."""
         queue, body = message
-        placed = event("placed", device=device, tier=tier, evict=list(evict), estimate=estimate)
+        plan = json.dumps(dict(tiling)) if tiling is not None else ""
+        placed = event(
+            "placed", device=device, tier=tier, evict=list(evict), estimate=estimate,
+            tiled=bool(tiling and tiling.get("tiled")),
+        )  # fmt: skip
         return int(
             self._lua["place"](
                 keys=[
@@ -404,6 +410,7 @@ class Store:
                     EVENTS_CAP,
                     body,
                     JOB_TTL,
+                    plan,
                 ],
             )  # fmt: skip
         )
@@ -608,14 +615,15 @@ class Store:
         )
         if not got:
             return None
-        spec, created, estimate, cancelled = got
+        spec, created, estimate, cancelled, tiling = got
         try:
             created_t = float(decode(created)) if created else started
         except ValueError:
             created_t = started
         est = decode(estimate)
+        plan = loads(tiling, None)
         return Claim(decode(spec), created_t, started, int(est) if est.isdigit() else 0,
-                     bool(cancelled))  # fmt: skip
+                     bool(cancelled), plan if isinstance(plan, dict) else None)  # fmt: skip
 
     def loaded(self, job_id: str, records: list[dict[str, Any]]) -> bool:
         """Keep a load's log records in the job record; True when a cancel came meanwhile."""

@@ -31,6 +31,7 @@ from sdfarm.native.params import (
     from_mapping,
     validate,
 )
+from sdfarm.native.tiling import TilingPlan
 from sdfarm.store import Claim, JobSpec
 from sdfarm.store.retry import retry_transient
 from sdfarm.worker import hooks
@@ -120,16 +121,20 @@ class JobRun:
             loras = {name: self.ctx.loras.load(name) for name, _ in params.loras}
             lora_bytes = sum(f.size for f in loras.values())
             # The job's estimate as the scheduler placed it (sdfarm.native.estimate): the
-            # cache makes room for it and the engine checks it, so all three agree.
+            # cache makes room for it and the engine checks it, so all three agree. So does
+            # its VAE tiling plan (sdfarm.native.tiling), which the engine obeys.
+            tiling = _tiling_plan(claimed.tiling)
             need = claimed.estimate or facts.estimate(
-                *params.final_size, params.encodes, lora_bytes
+                *params.final_size, params.encodes, lora_bytes, tiled=bool(tiling and tiling.tiled)
             )
             engine = self.ctx.request_engine(spec.model, model, facts.resident(), self.job_id, need)
         except EngineError as exc:
             self._fail(str(exc), _error_records(exc), self._refusal_fields(exc))
             return
         try:
-            self._generate(spec.model, engine, params, need, loras, hooks.hook_sleep_seconds(hook))
+            self._generate(
+                spec.model, engine, params, need, loras, hooks.hook_sleep_seconds(hook), tiling
+            )
         except EngineError as exc:
             if engine.poisoned:
                 self.ctx.cache.drop(spec.model)
@@ -149,6 +154,7 @@ class JobRun:
         estimate: int,
         loras: dict[str, Any],
         sleep_s: float,
+        tiling: TilingPlan | None = None,
     ) -> None:
         loaded = (
             self.ctx.last_load if (self.ctx.last_load or {}).get("job") == self.job_id else None
@@ -175,6 +181,7 @@ class JobRun:
                 log=LogConfig(level=self.level, log_prompts=self.log_prompts),
                 estimate=estimate,
                 loras=loras,
+                tiling=tiling,
             )
         meta = {**result.metadata, **self.meta}
         meta["engine_device"] = result.metadata.get("device")
@@ -371,3 +378,14 @@ def _error_records(exc: BaseException) -> list[dict[str, Any]]:
         {"seq": 0, "level": "error", "message": str(m), "source": "sd", "location": ""}
         for m in getattr(exc, "records", []) or []
     ]
+
+
+def _tiling_plan(doc: dict[str, Any] | None) -> TilingPlan | None:
+    """The plan the scheduler placed the job with; None when the record has none (a job
+    placed by hand), and then the engine plans from its own figure."""
+    if doc is None:
+        return None
+    try:
+        return TilingPlan.from_json(doc)
+    except (KeyError, TypeError, ValueError):
+        return None

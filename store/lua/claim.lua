@@ -2,9 +2,9 @@
 -- (the job was re-placed, cancelled or already ran) claims nothing.
 -- KEYS: job, events, cancel, job counters (unused), seconds
 -- ARGV: dispatch, incarnation, started, running event, events cap, worker, job ttl
--- Returns 0 when stale, else {spec, created, estimate, cancel requested (0/1)}.
+-- Returns 0 when stale, else {spec, created, estimate, cancel requested (0/1), tiling plan}.
 local cur = redis.call('HMGET', KEYS[1], 'state', 'dispatch', 'spec', 'created', 'estimate',
-                      'model', 'device')
+                      'model', 'device', 'tiling')
 if cur[1] ~= 'placed' or cur[2] ~= ARGV[1] then
   return 0
 end
@@ -12,4 +12,4 @@ redis.call('HSET', KEYS[1], 'state', 'running', 'started', ARGV[3],
            'incarnation', ARGV[2], 'worker', ARGV[6])
 log(KEYS[2], ARGV[4], ARGV[5], ARGV[7])
 observe(KEYS[5], 'queue_wait', cur[6], cur[7], since_created(KEYS[1]))
-return {cur[3] or '', cur[4] or '', cur[5] or '', redis.call('EXISTS', KEYS[3])}
+return {cur[3] or '', cur[4] or '', cur[5] or '', redis.call('EXISTS', KEYS[3]), cur[8] or ''}

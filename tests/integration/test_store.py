@@ -56,6 +56,7 @@ def test_a_finished_job_leaves_only_expiring_keys(store: Store) -> None:
     dispatch = place(store, job_id)
     claim = store.claim(job_id, dispatch, "inc-1", "w1")
     assert claim is not None and claim.estimate == 123 and not claim.cancelled
+    assert claim.tiling is None  # placed without a tiling plan
     assert not store.publish_progress(job_id, 1, 2, 0.5)
     assert store.finish(
         job_id, dispatch, "h/CPU", "done", meta={"a": 1}, records=[], pngs=[b"png-bytes"]
@@ -216,3 +217,13 @@ def test_an_owner_at_its_quota_is_refused_until_a_job_ends(store: Store) -> None
     owned = [m.decode() for m in store.r.zrange(keys.owned_key("owner-a"), 0, -1)]
     assert first not in owned and second not in owned and third in owned
     assert 0 < store.r.ttl(keys.owned_key("owner-a")) <= keys.JOB_TTL
+def test_the_tiling_plan_travels_from_placement_to_the_claim(store: Store) -> None:
+    job_id = submit(store)
+    plan = {"tiled": True, "estimate": 456, "warning": "decoded in tiles: ..."}
+    dispatch = new_dispatch_id()
+    assert store.place(TOKEN, job_id, 5, "h/CPU", dispatch, 456, "fits", (), HELD, plan) == 1
+    assert store.record(job_id)["estimate"] == "456"
+    (placed,) = [e for e in store.events(job_id) if e["event"] == "placed"]
+    assert placed["tiled"] is True
+    claim = store.claim(job_id, dispatch, "inc", "w")
+    assert claim is not None and claim.tiling == plan and claim.estimate == 456

@@ -266,7 +266,8 @@ def test_unknown_or_escaping_model_names_fail_clearly(farm: Farm, plain: Worker)
 def test_a_size_too_large_for_the_host_fails_with_estimate_and_figures(
     farm: Farm, plain: Worker
 ) -> None:
-    job_id = farm.place(plain, {**SMALL, "width": 4096, "height": 4096})
+    # Untiled: decoded in tiles, 4096x4096 would fit this host's MemAvailable.
+    job_id = farm.place(plain, {**SMALL, "width": 4096, "height": 4096, "vae_tiling": "off"})
     assert farm.wait(job_id) == "failed"
     job = farm.job(job_id)
     assert "4096x4096 needs an estimated" in job["error"]

@@ -441,3 +441,96 @@ def test_a_job_waiting_for_an_emptied_device_reserves_the_roomiest() -> None:
     assert reserve_device(job("big", 3), devices, NOW) is None
     # Nothing could ever hold it: refused, not reserved.
     assert reserve_device(job("huge", 100), devices, NOW) is None
+
+
+# -- VAE tiling: per device, the plan of sdfarm.native.tiling picks the estimate ----------------
+
+
+def tjob(untiled: float, tiled: float, choice: str = "auto") -> JobRequest:
+    return JobRequest("m", int(untiled * GiB), tiled_estimate=int(tiled * GiB), vae_tiling=choice)
+
+
+def planned(outcome: object) -> tuple[str, str, bool, float, bool]:
+    """(device, tier, tiled?, the estimate in GiB, has a warning) of a Placed."""
+    assert isinstance(outcome, Placed) and outcome.tiling is not None, outcome
+    p = outcome.tiling
+    return outcome.device, outcome.tier, p.tiled, p.estimate / GiB, bool(p.warning)
+
+
+# (job, devices, (device, tier, tiled?, estimate GiB, warned?))
+TILING = [
+    pytest.param(
+        tjob(20, 8),
+        [dev("h1/gpu0", 32)],
+        ("h1/gpu0", "fits", False, 20, False),
+        id="fits-untiled-no-tiling",
+    ),
+    pytest.param(
+        tjob(20, 8),
+        [dev("h1/gpu0", 12, slow=12)],
+        ("h1/gpu0", "fits", True, 8, True),
+        id="only-the-tiled-estimate-fits-the-device-tiles",
+    ),
+    pytest.param(
+        tjob(20, 8),
+        [dev("h1/gpu0", 12)],
+        ("h1/gpu0", "fits", True, 8, True),
+        id="tiled-on-the-gpu-before-the-slow-path-untiled",
+    ),
+    pytest.param(
+        tjob(20, 8),
+        [dev("h1/gpu0", 4, loaded=(eng("old", 20),))],
+        ("h1/gpu0", "fits-evicting", False, 20, False),
+        id="untiled-when-evicting-an-idle-engine-makes-room",
+    ),
+    pytest.param(
+        tjob(20, 8),
+        [dev("h1/gpu0", 6, slow=6, loaded=(eng("m", 3),))],
+        ("h1/gpu0", "loaded", True, 8, True),
+        id="loaded-engine-counts-in-the-room",
+    ),
+    pytest.param(
+        tjob(20, 8),
+        [dev("h1/gpu0", 12, slow=12), dev("h2/gpu0", 24, slow=24)],
+        ("h2/gpu0", "fits", False, 20, False),
+        id="the-device-where-it-fits-untiled-ranks-first-by-free-memory",
+    ),
+    pytest.param(
+        tjob(20, 8, "on"),
+        [dev("h1/gpu0", 32)],
+        ("h1/gpu0", "fits", True, 8, False),
+        id="on-tiles-though-it-fits",
+    ),
+    pytest.param(
+        tjob(20, 8),
+        [dev("h1/gpu0", 4, slow=10)],
+        ("h1/gpu0", "slow-path", True, 8, True),
+        id="neither-fits-the-gpu-tiled-on-the-slow-path",
+    ),
+]
+
+
+@pytest.mark.parametrize(("request_", "devices", "expected"), TILING)
+def test_tiling_plan_per_device(
+    request_: JobRequest, devices: list[DeviceState], expected: tuple[object, ...]
+) -> None:
+    assert planned(place(request_, devices, NOW)) == expected
+
+
+def test_off_is_refused_where_tiled_would_fit_and_says_so() -> None:
+    outcome = place(tjob(20, 8, "off"), [dev("h1/cpu", 12, type="cpu")], NOW)
+    assert isinstance(outcome, Refuse), outcome
+    assert "20.00 GiB (vae_tiling off; decoded in tiles it would need 8.00 GiB)" in outcome.reason
+
+
+def test_refused_even_tiled() -> None:
+    outcome = place(tjob(40, 16), [dev("h1/cpu", 12, type="cpu")], NOW)
+    assert isinstance(outcome, Refuse), outcome
+    assert "16.00 GiB even decoded in tiles (untiled 40.00 GiB)" in outcome.reason
+
+
+def test_waits_for_an_emptied_device_by_its_tiled_estimate() -> None:
+    busy = dev("h1/cpu", 2, type="cpu", loaded=(eng("other", 10, busy=True),))  # capacity 12
+    assert isinstance(place(tjob(20, 8), [busy], NOW), Wait)
+    assert reserve_device(tjob(20, 8), [busy], NOW) == "h1/cpu"
+    assert isinstance(place(tjob(20, 8, "off"), [busy], NOW), Refuse)
