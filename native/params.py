@@ -315,6 +315,10 @@ class GenerationParams:
         "choice", "off", "reuse the model's output across similar steps (faster, a little "
         "different; for DiT models: easycache, cache_dit, ...)", choices=STEP_CACHES,
     )  # fmt: skip
+    preview_every: int = param(
+        "int", 0, "a small preview image (longest side 256) in the job's events every N "
+        "sampling steps (0: none)", lo=0, hi=MAX_STEPS,
+    )  # fmt: skip
 
     @property
     def final_size(self) -> tuple[int, int]:

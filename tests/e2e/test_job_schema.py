@@ -71,6 +71,7 @@ VALUES: dict[str, Any] = {
     "hires_steps": 1,
     "hires_strength": 0.5,
     "step_cache": "easycache",
+    "preview_every": 1,
 }
 IMAGES = {p.name: p.kind for p in IMAGE_PARAMS}
 
