@@ -25,6 +25,7 @@ NAMES = (
     "claim",
     "loaded",
     "progress",
+    "preview",
     "event",
     "finish",
     "lease_renew",

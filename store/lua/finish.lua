@@ -2,7 +2,8 @@
 -- the final state, its running entry, the done token and the event, in one round trip. A job
 -- that is no longer ours (re-placed, or ended by someone else) is left alone. It wakes the
 -- scheduler only when jobs are pending: a freed slot is news only to them.
--- KEYS: job, result, done, events, running, wake, progress, recent, pending count, cancel
+-- KEYS: job, result, done, events, running, wake, progress, recent, pending count, cancel,
+--       preview (the latest preview: the result supersedes it)
 -- ARGV: dispatch, state, error, ended, event, events cap, finished ttl, job id, meta,
 --       records, count, wake cap, recent cap, n (how many job field ARGVs follow), the n job
 --       field ARGVs (name, value pairs), then the result's images (png:0, bytes, ...)
@@ -30,6 +31,7 @@ if redis.call('HGET', KEYS[5], ARGV[8]) == ARGV[1] then
 end
 redis.call('RPUSH', KEYS[3], ARGV[2])
 log(KEYS[4], ARGV[5], ARGV[6], ttl)
+redis.call('DEL', KEYS[11])
 for _, k in ipairs({KEYS[1], KEYS[3], KEYS[4], KEYS[7], KEYS[10]}) do
   redis.call('EXPIRE', k, ttl)
 end
