@@ -17,8 +17,18 @@ matrix for). VAE would run the full VAE decode once per previewed step: never ch
 `tae_preview_only` (a TAESD for previews beside a full VAE) is not used: it would change which
 decoder makes a model's final image and load a second decoder.
 
-Cost, measured with the tiny model on this 2-core CPU (bench/preview_cost.py, 256x256,
-4 steps, 2 threads, 10 runs each, medians): see PREVIEW_COST below.
+What it costs, measured with the tiny model on the 2-core development VM (shared with other
+work: CPU seconds of the process are steadier than wall time there), 256x256, 4 steps,
+2 threads, medians of 5 interleaved runs (bench/preview_cost.py,
+bench/results/preview_cost-tiny-cpu.json): no previews 3.83 CPU s (7.5 s wall); TAE every step
+15.5 CPU s (+304%; 33.9 s wall, +354%), every second step 10.1 (+162%): each TAE preview is
+one TAESD decode at the image's size, about 2.9 CPU s here, which is most of what the tiny
+model's whole job costs (its diffusion model is one block, so its final decode dominates);
+PROJ every step 4.52 CPU s (+18%, within the runs' spread of 3.4..4.8 s for PROJ and 3.6..4.3
+for none). Images are identical with and without previews. With a real model a step costs
+far more than a TAESD decode (on the CPU a full-size SD 2.x step is seconds, its TAESD
+decode at 512 about 4 s on 2 cores; on a GPU a TAESD decode takes milliseconds), so
+preview_every is the knob: every step on a CPU is expensive, every 5th or 10th is not.
 """
 
 from __future__ import annotations
@@ -39,7 +49,6 @@ image that does not fit at PREVIEW_SIDE is encoded smaller until it does."""
 PREVIEW_QUALITY = 50
 PREVIEW_FORMAT = "webp"
 MODES = {"none": 0, "proj": 1, "tae": 2, "vae": 3}  # sd.cpp's preview_t, in its order
-PREVIEW_COST = "see bench/results/preview_cost.txt"
 
 
 def mode_for(roles: set[str] | frozenset[str] | list[str]) -> str:
