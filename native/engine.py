@@ -172,6 +172,8 @@ class Engine:
         self._ffi, self._lib = load_binding(backend)
         self._ring = LogRing(self._ffi, self._lib)
         self._previews = PreviewSlot(self._ffi, self._lib)
+        # The kind of preview a job's preview_every gets (sdfarm.native.preview); a caller
+        # may change it between generations (bench/preview_cost.py compares them).
         self.preview_mode = mode_for(set(self.model.files))
         self._threads = threads or max(1, (os.cpu_count() or 2))
         self._path_roles = self.model.path_roles()
@@ -289,9 +291,8 @@ class Engine:
             g.sample_params.scheduler = _enum_index(
                 lib.sd_scheduler_name, params.scheduler, lib.SCHEDULER_COUNT, ffi
             )
-        # Previews are armed whenever the job asks (the read-back shows the runtime got it);
-        # only a caller's callback sees them.
-        self._previews.configure(self.preview_mode, params.preview_every)
+        # Previews are armed only for a caller that takes them: each costs a decode.
+        self._previews.configure(self.preview_mode, params.preview_every if preview else 0)
         self.last_call = self._read_back(g)
         lib.sdf_progress_reset()
         assert keep is not None  # the input pixels live until the call returns
@@ -463,7 +464,8 @@ class Engine:
         (sdfarm.native.estimate); without it the engine makes it from its own facts. `loras`
         are the checked files (sdfarm.native.loras) of the LoRAs `params` names. With
         `params.preview_every` set, `preview` gets each new preview (sdfarm.native.preview)
-        from the same watcher thread as `progress`, never from the runtime's. Raises
+        from the same watcher thread as `progress`, never from the runtime's; without a
+        `preview` callback none is made (each costs a decode). Raises
         InvalidParameterError before any native call, ModelTooLargeError when the estimate
         at the requested size exceeds what refuses a load, GenerationError quoting the
         runtime's error records."""

@@ -122,6 +122,11 @@ def test_no_preview_every_no_previews(engine) -> None:
     assert previews == [] and engine.last_call["preview_every"] == 0
 
 
+def test_a_caller_without_a_preview_callback_pays_for_no_previews(engine) -> None:
+    engine.generate(GenerationParams(**JOB, steps=2, preview_every=1))
+    assert engine.last_call["preview_every"] == 0 and engine.last_call["preview_mode"] == "none"
+
+
 def test_latent_projection_previews_are_latent_sized(engine) -> None:
     engine.preview_mode = "proj"  # what a model without a TAESD gets
     try:
