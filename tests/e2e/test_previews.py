@@ -24,6 +24,7 @@ pytestmark = pytest.mark.e2e
 
 MODEL = "tiny-f16"
 JOB = {"prompt": "a preview of a lighthouse", "width": 128, "height": 128, "seed": 7}
+SMALL = {**JOB, "width": 64, "height": 64}  # in-process: every TAE preview is a decode
 
 
 def expected_frame(step: int, w: int, h: int, dw: int, dh: int) -> np.ndarray:
@@ -89,7 +90,7 @@ def engine(tiny_models: list[Path]) -> Iterator[Engine]:
 
 def run(engine: Engine, **params: Any) -> tuple[list[Preview], bytes]:
     got: list[Preview] = []
-    result = engine.generate(GenerationParams(**JOB, **params), preview=got.append)
+    result = engine.generate(GenerationParams(**SMALL, **params), preview=got.append)
     return got, result.image.tobytes()
 
 
@@ -123,7 +124,7 @@ def test_no_preview_every_no_previews(engine) -> None:
 
 
 def test_a_caller_without_a_preview_callback_pays_for_no_previews(engine) -> None:
-    engine.generate(GenerationParams(**JOB, steps=2, preview_every=1))
+    engine.generate(GenerationParams(**SMALL, steps=2, preview_every=1))
     assert engine.last_call["preview_every"] == 0 and engine.last_call["preview_mode"] == "none"
 
 
@@ -134,7 +135,7 @@ def test_latent_projection_previews_are_latent_sized(engine) -> None:
     finally:
         engine.preview_mode = "tae"
     assert previews and previews[-1].step == 3
-    assert {(p.width, p.height) for p in previews} == {(16, 16)}  # 128 / 8: the latent
+    assert {(p.width, p.height) for p in previews} == {(8, 8)}  # 64 / 8: the latent
 
 
 # -- through a real local farm ---------------------------------------------------------------
