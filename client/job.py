@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from sdfarm.client.errors import FarmError, JobCancelled, JobFailed
+from sdfarm.native.preview import Preview
 from sdfarm.store import FINAL_STATES, JobResult
 from sdfarm.store.records import loads
 
@@ -157,6 +158,16 @@ class Job:
     def progress(self) -> dict[str, Any] | None:
         """The latest {"step", "steps", "s_per_step"} while it runs, else None."""
         return self.farm.store.progress(self.id)
+
+    def preview(self) -> Preview | None:
+        """The latest preview of a running job that asked for them (`preview_every`): its
+        step and a small WebP image (`.data`, `.image`); None before the first and after the
+        end (the result supersedes it). Each preview is also a `preview` event."""
+        doc = self.farm.store.preview(self.id)
+        try:
+            return Preview.from_event(doc) if isinstance(doc, dict) else None
+        except (KeyError, TypeError, ValueError):
+            return None
 
     def cancel(self) -> bool:
         """Cancel: a queued job at once, a placed or running one by request (the worker stops

@@ -1,7 +1,8 @@
 """The status page served at `GET /`: one HTML document with inline CSS and a small inline
-script (no build step) that reads `GET /v1/status` every 2 s and draws it; and, for a gateway
-with tokens, the sign-in form `GET /` shows a browser without a session (it sends the token
-to `GET /?token=`, which sets the session cookie)."""
+script (no build step) that reads `GET /v1/status` every 2 s and draws it (a running job's
+latest preview comes in it as a data URL, so the page needs no image route for it); and, for
+a gateway with tokens, the sign-in form `GET /` shows a browser without a session (it sends
+the token to `GET /?token=`, which sets the session cookie)."""
 
 from __future__ import annotations
 
@@ -60,6 +61,8 @@ PAGE_HTML = """<!doctype html>
   .prog { width:140px; height:10px; background:#e8ebf1; border-radius:5px; overflow:hidden;
           display:inline-block; vertical-align:middle; }
   .prog span { display:block; height:100%; background:var(--idle); }
+  img.preview { width:96px; height:96px; object-fit:contain; border-radius:4px;
+                background:#e8ebf1; image-rendering:pixelated; border:1px solid var(--line); }
   code { font:12px ui-monospace, SFMono-Regular, Menlo, monospace; }
   .thumbs { display:grid; grid-template-columns:repeat(8, 1fr); gap:10px; }
   .thumbs figure { margin:0; }
@@ -129,12 +132,14 @@ function render(s) {
     <div class="legend" style="margin-top:4px">pending ${s.pending || 0}</div>`;
   const runs = s.running || [];
   $("running").innerHTML = runs.length ? `<table><tr><th>job</th><th>model</th><th>device</th>
-    <th>progress</th></tr>${runs.map((j) => {
-      const p = j.progress || {}, steps = p.steps || 0, step = p.step || 0;
+    <th>progress</th><th>preview</th></tr>${runs.map((j) => {
+      const p = j.progress || {}, steps = p.steps || 0, step = p.step || 0, v = j.preview;
       return `<tr><td><code>${esc(j.id.slice(0, 8))}</code></td><td>${esc(j.model)}</td>
         <td>${esc(j.device || "-")}</td><td><span class="prog"><span
         style="width:${pct(step, steps)}%"></span></span>
-        ${steps ? `step ${step}/${steps}` : esc(j.state)}</td></tr>`;
+        ${steps ? `step ${step}/${steps}` : esc(j.state)}</td>
+        <td>${v ? `<img class="preview" src="${esc(v.url)}" alt="preview at step ${esc(v.step)}"
+          title="step ${esc(v.step)}/${esc(v.steps)}">` : ""}</td></tr>`;
     }).join("")}</table>` : '<p class="empty">nothing running</p>';
   const rec = s.recent || [];
   $("thumbs").innerHTML = rec.length ? `<div class="thumbs">${rec.map((r) => `<figure>

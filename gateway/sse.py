@@ -32,6 +32,9 @@ SSE_JITTER = 0.2
 SSE_KEEPALIVE_S = 15.0
 SSE_STATE_S = 5.0
 EVENT_FINAL = frozenset(FINAL_STATES)
+BINARY = frozenset({"image"})
+"""Fields that carry data, not text (a preview's base64 image): never scrubbed, since base64
+can hold what looks like a path ("+/ab/c") and scrubbing would corrupt it."""
 
 
 async def stream(
@@ -47,8 +50,8 @@ async def stream(
     """The job's events as SSE (`event: <kind>`, `data: <json>`), from the first one; ends
     after done, failed or cancelled, once the job's record is gone (an event named after its
     state, or `expired`), or when Redis cannot be read (`error`). `clean` is applied to every
-    text field of an event (the gateway scrubs paths from errors with it). When the list was
-    trimmed past the last event sent, what is newer than it follows."""
+    text field of an event but BINARY ones (the gateway scrubs paths from errors with it).
+    When the list was trimmed past the last event sent, what is newer than it follows."""
     last: bytes | None = None
     last_t = 0.0
     idle = checked = time.monotonic()
@@ -79,7 +82,10 @@ async def stream(
                     continue
                 if not isinstance(ev, dict):
                     continue
-                ev = {k: clean(v) if isinstance(v, str) else v for k, v in ev.items()}
+                ev = {
+                    k: clean(v) if isinstance(v, str) and k not in BINARY else v
+                    for k, v in ev.items()
+                }
                 kind = str(ev.get("event", "message"))
                 yield f"event: {kind}\ndata: {json.dumps(ev)}\n\n".encode()
                 idle = time.monotonic()

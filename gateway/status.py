@@ -1,6 +1,7 @@
 """The status document behind `GET /v1/status` (and the page at `GET /`): devices grouped by
 host with a memory split (free, held by our engines, other), loaded models, queue depth by
-priority, running jobs with their progress, and the newest finished jobs as thumbnails.
+priority, running jobs with their progress and latest preview (a data URL, for jobs that
+asked for previews), and the newest finished jobs as thumbnails.
 
 Everything is read through the store on each call (one `Farm.status()` plus a few batched
 reads). With tokens, a normal token sees only its own jobs in it (`viewer`); the queues and the
@@ -20,6 +21,7 @@ from typing import Any
 
 from sdfarm.client.farm import Farm
 from sdfarm.gateway.auth import OPEN, Caller
+from sdfarm.native.preview import Preview
 
 RECENT_SHOWN = 8
 RECENT_KEPT = 32  # ids remembered: enough that 8 are done while a batch is still queued
@@ -91,6 +93,18 @@ def _device(d: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _preview(doc: Any) -> dict[str, Any] | None:
+    """A running job's latest preview event as the page shows it: step and a data URL."""
+    try:
+        p = Preview.from_event(doc) if isinstance(doc, dict) else None
+    except (KeyError, TypeError, ValueError):
+        return None
+    if p is None:
+        return None
+    return {"seq": p.seq, "step": p.step, "steps": p.steps, "width": p.width,
+            "height": p.height, "url": p.data_url()}  # fmt: skip
+
+
 def status_doc(
     farm: Farm,
     local_recent: list[str],
@@ -126,9 +140,14 @@ def status_doc(
         hosts.setdefault(str(d["host"]), []).append(str(d["key"]))
 
     progress = store.progress_of([job["id"] for job in running])
+    previews = store.previews_of([job["id"] for job in running])
     runs = [
-        {**job, "progress": prog if isinstance(prog, dict) else None}
-        for job, prog in zip(running, progress, strict=True)
+        {
+            **job,
+            "progress": prog if isinstance(prog, dict) else None,
+            "preview": _preview(pre),
+        }
+        for job, prog, pre in zip(running, progress, previews, strict=True)
     ]
 
     ids = list(dict.fromkeys([*local_recent, *store.recent(RECENT_KEPT)]))

@@ -133,6 +133,11 @@ size_t sdf_log_pending_bytes(void);
 void sdf_log_test_flood(int n, int level);
 void sdf_progress_reset(void);
 void sdf_progress_get(int* step, int* steps, float* time, uint64_t* updates);
+void sdf_preview_configure(int mode, int every, int max_side);
+void sdf_preview_config(int* mode, int* every, int* max_side);
+size_t sdf_preview_get(uint64_t* seq, int* step, int* steps, uint32_t* width, uint32_t* height,
+                       uint8_t* out, size_t out_cap, uint64_t* overwritten, uint64_t* ignored);
+void sdf_preview_test_frames(int n, uint32_t width, uint32_t height, int channels);
 size_t sdf_device_count(void);
 int sdf_device_info(size_t index, char* name, size_t name_cap, char* desc, size_t desc_cap,
                     int* type, size_t* free_bytes, size_t* total_bytes);

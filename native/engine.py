@@ -39,6 +39,7 @@ from sdfarm.native.fitplan import FitPlan, plan_fit
 from sdfarm.native.loras import LoraFile
 from sdfarm.native.model import Model
 from sdfarm.native.params import STEP_CACHES, GenerationParams, validate
+from sdfarm.native.preview import Preview, PreviewSlot, mode_for
 from sdfarm.native.ring import LogRing
 from sdfarm.native.roles import ROLE_PARAMS
 from sdfarm.native.tiling import TilingPlan, plan_tiling
@@ -171,6 +172,10 @@ class Engine:
 
         self._ffi, self._lib = load_binding(backend)
         self._ring = LogRing(self._ffi, self._lib)
+        self._previews = PreviewSlot(self._ffi, self._lib)
+        # The kind of preview a job's preview_every gets (sdfarm.native.preview); a caller
+        # may change it between generations (bench/preview_cost.py compares them).
+        self.preview_mode = mode_for(set(self.model.files))
         self._threads = threads or max(1, (os.cpu_count() or 2))
         self._path_roles = self.model.path_roles()
         self._scrub = logs.Scrubber(self._path_roles, log_prompts=self._log.log_prompts)
@@ -255,6 +260,7 @@ class Engine:
         params: GenerationParams,
         progress: Callable[[int, int, float], None] | None,
         tiled: bool = False,
+        preview: Callable[[Preview], None] | None = None,
     ) -> list[Image.Image]:
         ffi, lib = self._ffi, self._lib
         g = ffi.new("sd_img_gen_params_t*")
@@ -292,14 +298,16 @@ class Engine:
             g.sample_params.scheduler = _enum_index(
                 lib.sd_scheduler_name, params.scheduler, lib.SCHEDULER_COUNT, ffi
             )
+        # Previews are armed only for a caller that takes them: each costs a decode.
+        self._previews.configure(self.preview_mode, params.preview_every if preview else 0)
         self.last_call = self._read_back(g)
         lib.sdf_progress_reset()
         assert keep is not None  # the input pixels live until the call returns
         done = threading.Event()
         watcher = None
-        if progress is not None:
+        if progress is not None or preview is not None:
             watcher = threading.Thread(
-                target=self._watch_progress, args=(progress, done), daemon=True
+                target=self._watch_progress, args=(progress, preview, done), daemon=True
             )
             watcher.start()
         self.native_calls += 1
@@ -309,6 +317,7 @@ class Engine:
             done.set()
             if watcher is not None:
                 watcher.join()
+            self._previews.configure("none", 0)
         if out == ffi.NULL:
             return []
         images = []
@@ -410,13 +419,19 @@ class Engine:
             "step_cache": STEP_CACHES[g.cache.mode],
             "vae_tiling": "on" if g.vae_tiling_params.enabled else "off",
             "vae_tile_size": [g.vae_tiling_params.tile_size_x, g.vae_tiling_params.tile_size_y],
+            "preview_every": self._previews.config()[1],
+            "preview_mode": self._previews.config()[0],
         }
 
     def _watch_progress(
-        self, progress: Callable[[int, int, float], None], done: threading.Event
+        self,
+        progress: Callable[[int, int, float], None] | None,
+        preview: Callable[[Preview], None] | None,
+        done: threading.Event,
     ) -> None:
-        """Polls the shim's latest progress from a Python thread: the runtime's own thread
-        never calls into Python."""
+        """Polls the shim's latest progress and preview from a Python thread: the runtime's
+        own thread never calls into Python. A preview the generation made just before it
+        ended is still handed over."""
         ffi, lib = self._ffi, self._lib
         step, steps, t, n = (
             ffi.new("int*"),
@@ -425,11 +440,19 @@ class Engine:
             ffi.new("uint64_t*"),
         )
         last = -1
-        while not done.wait(0.05):
-            lib.sdf_progress_get(step, steps, t, n)
-            if n[0] != last and steps[0] > 0:
-                last = n[0]
-                progress(step[0], steps[0], t[0])
+        while True:
+            finished = done.wait(0.05)
+            if progress is not None:
+                lib.sdf_progress_get(step, steps, t, n)
+                if n[0] != last and steps[0] > 0 and not finished:
+                    last = n[0]
+                    progress(step[0], steps[0], t[0])
+            if preview is not None:
+                frame = self._previews.take()
+                if frame is not None:
+                    preview(frame)
+            if finished:
+                return
 
     # -- public API ----------------------------------------------------------------------
 
@@ -438,6 +461,7 @@ class Engine:
         params: GenerationParams | None = None,
         *,
         progress: Callable[[int, int, float], None] | None = None,
+        preview: Callable[[Preview], None] | None = None,
         log: LogConfig | None = None,
         estimate: int | None = None,
         loras: Mapping[str, LoraFile] | None = None,
@@ -450,7 +474,10 @@ class Engine:
         (sdfarm.native.estimate); without it the engine makes it from its own facts. `loras`
         are the checked files (sdfarm.native.loras) of the LoRAs `params` names. `tiling` is
         the plan the scheduler placed the job with (sdfarm.native.tiling); without it the
-        engine plans from its own figure (`tiling_plan`). Raises
+        engine plans from its own figure (`tiling_plan`). With `params.preview_every` set,
+        `preview` gets each new preview (sdfarm.native.preview) from the same watcher thread
+        as `progress`, never from the runtime's; without a `preview` callback none is made
+        (each costs a decode). Raises
         InvalidParameterError before any native call, ModelTooLargeError when the estimate
         at the requested size exceeds what refuses a load, GenerationError quoting the
         runtime's error records."""
@@ -505,7 +532,7 @@ class Engine:
         with Engine._native_lock:
             if log is not None:
                 self._ring.configure(cfg.ring_bytes, cfg.native)
-            images = self._run(params, progress, tiling.tiled)
+            images = self._run(params, progress, tiling.tiled, preview)
             raw = self._drain_raw(scrub)
         seconds = time.monotonic() - started
         records = self._take_records(raw, cfg)

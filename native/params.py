@@ -324,6 +324,10 @@ class GenerationParams:
         "tiles when the untiled estimate does not fit the device (the job's warnings say "
         "so), on always, off never", choices=VAE_TILING,
     )  # fmt: skip
+    preview_every: int = param(
+        "int", 0, "a small preview image (longest side 256) in the job's events every N "
+        "sampling steps (0: none)", lo=0, hi=MAX_STEPS,
+    )  # fmt: skip
 
     @property
     def final_size(self) -> tuple[int, int]:

@@ -10,6 +10,7 @@ only ones without a TTL; each is bounded (a capped list, a set of devices, a has
 | `job:{id}` | hash | JOB_TTL, then RESULT_TTL | the job record (client, scheduler, worker) |
 | `events:{id}` | list | JOB_TTL, then RESULT_TTL | the newest EVENTS_CAP events as JSON (all) |
 | `progress:{id}` | string | RESULT_TTL | the latest step of a running job (worker) |
+| `preview:{id}` | string | RESULT_TTL | a running job's latest preview; gone at finish (worker) |
 | `cancel:{id}` | string | RESULT_TTL | a cancel request for a placed or running job (client) |
 | `result:{id}` | hash | RESULT_TTL | `png:{i}`, `count`, `meta`, `records` (worker) |
 | `input:{id}` | hash | JOB_TTL, then RESULT_TTL | the job's input images by name (client) |
@@ -54,7 +55,7 @@ WAKE_CAP = 100
 RECENT_CAP = 32
 PRIORITIES = range(10)  # 0 = interactive (placed first) ... 9 = batch
 
-JOB_KEY_KINDS = ("job", "events", "progress", "cancel", "result", "done", "input")
+JOB_KEY_KINDS = ("job", "events", "progress", "preview", "cancel", "result", "done", "input")
 """The kinds of key one job creates; `job_keys(id)` names them all."""
 
 
@@ -72,6 +73,10 @@ def events_key(job_id: str) -> str:
 
 def progress_key(job_id: str) -> str:
     return key("progress", job_id)
+
+
+def preview_key(job_id: str) -> str:
+    return key("preview", job_id)
 
 
 def cancel_key(job_id: str) -> str:

@@ -30,8 +30,10 @@ source, location} at the job's log level). A failed job has `meta` (with `error`
 
 Events (`events:{id}`, JSON with `event` and `t`): queued, placed, running (claimed: device,
 incarnation), loading (model, estimate) and loaded (model, load_s, warmup_s) when the job made
-the worker load a model, step (step, steps, s_per_step; at most 10 a second), done, failed
-(error), cancelled, retried.
+the worker load a model, step (step, steps, s_per_step; at most 10 a second), preview (a job
+with `preview_every`: seq, step, steps, width, height, format, image as base64, at most
+MAX_PREVIEW_BYTES before base64; only the newest stays in the list, also in `preview:{id}`),
+done, failed (error), cancelled, retried.
 
 Heartbeat `hb:{host}/{device}` (JSON, see HEARTBEAT_FIELDS), written every HEARTBEAT_INTERVAL
 by the worker process that runs the jobs and deleted on a graceful stop.

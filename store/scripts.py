@@ -28,6 +28,7 @@ NAMES = (
     "claim",
     "loaded",
     "progress",
+    "preview",
     "event",
     "finish",
     "lease_renew",

@@ -10,7 +10,8 @@ A job's life, one named transition each (every one also appends an event):
    hold it. Every scheduler write is fenced on the leader token.
 3. claim (worker): a placed job of this dispatch starts running; a message whose dispatch is
    stale claims nothing, which is what keeps a job from running twice. Then loaded (after a
-   model load), progress (each step; both say whether a cancel is asked for) and finish
+   model load), progress (each step; both say whether a cancel is asked for), preview (the
+   latest preview image, when the job asks for them) and finish
    (result, final state, done token), only while the job is still this dispatch's.
 4. wait (client): block on the done token, then read the record and the result together.
 5. requeue (scheduler): a job whose worker died (heartbeat expired, or a new worker process)
@@ -263,6 +264,16 @@ class Store:
         for job_id in job_ids:
             pipe.get(keys.progress_key(job_id))
         return [loads(raw, None) for raw in pipe.execute()]
+
+    def preview(self, job_id: str) -> dict[str, Any] | None:
+        """The latest preview event of a running job (None without one)."""
+        return loads(self.r.get(keys.preview_key(job_id)), None)
+
+    def previews_of(self, job_ids: Sequence[str]) -> list[dict[str, Any] | None]:
+        """The latest preview event of each job (one round trip)."""
+        if not job_ids:
+            return []
+        return [loads(raw, None) for raw in self.r.mget([keys.preview_key(j) for j in job_ids])]
 
     def recent(self, count: int = RECENT_CAP) -> list[str]:
         """The ids of the latest finished jobs, newest first."""
@@ -643,6 +654,14 @@ class Store:
             )
         )
 
+    def publish_preview(self, job_id: str, fields: Mapping[str, Any]) -> None:
+        """The job's latest preview (sdfarm.native.preview: step, size, the image base64) as
+        its `preview` event; the events list keeps only the newest one (lua/preview.lua)."""
+        self._lua["preview"](
+            keys=[keys.preview_key(job_id), keys.events_key(job_id)],
+            args=[event("preview", **fields), EVENTS_CAP, RESULT_TTL, JOB_TTL],
+        )
+
     def push_event(self, job_id: str, kind: str, **fields: Any) -> None:
         self._lua["event"](
             keys=[keys.events_key(job_id)], args=[event(kind, **fields), EVENTS_CAP, JOB_TTL]
@@ -694,6 +713,7 @@ class Store:
                     PENDING_COUNT_KEY,
                     keys.cancel_key(job_id),
                     *METRICS_KEYS,
+                    keys.preview_key(job_id),
                 ],
                 args=[
                     dispatch,

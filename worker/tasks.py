@@ -31,6 +31,7 @@ from sdfarm.native.params import (
     from_mapping,
     validate,
 )
+from sdfarm.native.preview import Preview
 from sdfarm.native.tiling import TilingPlan
 from sdfarm.store import Claim, JobSpec
 from sdfarm.store.retry import retry_transient
@@ -40,6 +41,7 @@ from sdfarm.worker.results import Finished
 log = logging.getLogger("sdfarm.worker")
 
 PROGRESS_MIN_INTERVAL = 0.1  # at most 10 progress writes per second
+PREVIEW_MIN_INTERVAL = 0.1  # at most 10 preview writes per second (each <= 32 KiB)
 CANCEL_POLL_S = 0.2
 CANCEL_EXIT_CODE = 0  # a cancel is not a crash; Celery replaces the process either way
 
@@ -69,6 +71,7 @@ class JobRun:
         self.log_prompts = False
         self._last_pub = 0.0
         self._last_step: tuple[int, int] | None = None
+        self._last_preview = 0.0
         self._cancel_lock = threading.Lock()
 
     # -- the run ---------------------------------------------------------------------------
@@ -178,6 +181,7 @@ class JobRun:
             result = engine.generate(
                 params,
                 progress=self._progress,
+                preview=self._preview if params.preview_every else None,
                 log=LogConfig(level=self.level, log_prompts=self.log_prompts),
                 estimate=estimate,
                 loras=loras,
@@ -224,6 +228,19 @@ class JobRun:
                 self.cancel_running()
         except Exception as exc:  # noqa: BLE001 - progress is best effort
             log.warning("progress of job %s not published: %s", self.job_id, exc)
+
+    def _preview(self, preview: Preview) -> None:
+        """The engine's preview callback (its watcher thread): the newest preview as the job's
+        `preview` event, throttled; one that comes too soon after the last is skipped (the
+        next supersedes it, and the result comes anyway)."""
+        now = time.monotonic()
+        if now - self._last_preview < PREVIEW_MIN_INTERVAL:
+            return
+        self._last_preview = now
+        try:
+            self.store.publish_preview(self.job_id, preview.as_event())
+        except Exception as exc:  # noqa: BLE001 - previews are best effort
+            log.warning("preview of job %s not published: %s", self.job_id, exc)
 
     def _cancel_requested(self) -> bool:
         return self.store.cancel_requested(self.job_id)

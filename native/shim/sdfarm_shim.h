@@ -3,7 +3,8 @@
  * Why it exists: sd.cpp's log callback is not thread-safe and fires from loader threads, and
  * Python must never be called back from a native thread. So the shim owns the callbacks and
  * keeps what they report (a numbered ring of log records with a dropped counter, the latest
- * progress) behind a mutex; Python drains it between calls. It also reads ggml's devices.
+ * progress, the latest preview frame) behind a mutex; Python drains it between calls. It also
+ * reads ggml's devices.
  */
 #ifndef SDFARM_SHIM_H
 #define SDFARM_SHIM_H
@@ -46,6 +47,33 @@ void sdf_log_test_flood(int n, int level);
 void sdf_progress_reset(void);
 /* Latest progress reported by the runtime; *updates counts callbacks since the last reset. */
 void sdf_progress_get(int *step, int *steps, float *time, uint64_t *updates);
+
+/* Previews. sd.cpp calls its preview callback on the thread that runs generate_image, after
+ * each sampling step it decodes a preview for, with frames it frees when the callback returns
+ * (master-596: PROJ frames are the latent's size, TAE/VAE frames the image's size). The shim
+ * copies the first frame, box-downscaled so its longest side is at most max_side, into one
+ * slot that the next frame overwrites (counted). The runtime ignores its own `interval`
+ * (it previews every step), so with every > 1 the shim's progress callback turns the
+ * runtime's preview on only for the steps it wants: the decode of the other steps is never
+ * paid. mode: SDF_PREVIEW_* (sd.cpp's preview_t); every 0 (or mode NONE) turns previews off. */
+#define SDF_PREVIEW_NONE 0
+#define SDF_PREVIEW_PROJ 1
+#define SDF_PREVIEW_TAE 2
+#define SDF_PREVIEW_VAE 3
+
+void sdf_preview_configure(int mode, int every, int max_side);
+/* The configuration as the runtime got it (a test reads each job parameter back). */
+void sdf_preview_config(int *mode, int *every, int *max_side);
+/* Copies the latest frame (RGB, width*height*3 bytes) into out when it is newer than the last
+ * one fetched; returns the bytes copied, or 0 when there is none new (or out is too small).
+ * *overwritten gets the frames replaced before anyone fetched them since the last fetch,
+ * *ignored the runtime's callbacks the shim skipped (steps between the wanted ones, a
+ * two-evaluation sampler's first evaluation). */
+size_t sdf_preview_get(uint64_t *seq, int *step, int *steps, uint32_t *width, uint32_t *height,
+                       uint8_t *out, size_t out_cap, uint64_t *overwritten, uint64_t *ignored);
+/* Test hook: delivers n frames of width x height (pixel value = (x + y + step) % 256 in each
+ * channel) for steps 1..n as if the runtime had called back. */
+void sdf_preview_test_frames(int n, uint32_t width, uint32_t height, int channels);
 
 size_t sdf_device_count(void);
 /* Fills one device's facts; returns 0, or -1 for a bad index. type: 0 CPU, 1 GPU, 2 IGPU, 3 ACCEL. */

@@ -4,7 +4,7 @@
 -- scheduler only when jobs are pending: a freed slot is news only to them.
 -- It counts the end and observes the job's end-to-end, load and generate seconds.
 -- KEYS: job, result, done, events, running, wake, progress, recent, pending count, cancel,
---       job counters, seconds
+--       job counters, seconds, preview (the latest preview: the result supersedes it)
 -- ARGV: dispatch, state, error, ended, event, events cap, finished ttl, job id, meta,
 --       records, count, wake cap, recent cap, load seconds ('' when the job loaded
 --       nothing), generate seconds ('' when none), n (how many job field ARGVs follow), the n
@@ -33,6 +33,7 @@ if redis.call('HGET', KEYS[5], ARGV[8]) == ARGV[1] then
 end
 redis.call('RPUSH', KEYS[3], ARGV[2])
 log(KEYS[4], ARGV[5], ARGV[6], ttl)
+redis.call('DEL', KEYS[13])
 for _, k in ipairs({KEYS[1], KEYS[3], KEYS[4], KEYS[7], KEYS[10]}) do
   redis.call('EXPIRE', k, ttl)
 end

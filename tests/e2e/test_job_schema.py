@@ -72,6 +72,7 @@ VALUES: dict[str, Any] = {
     "hires_strength": 0.5,
     "step_cache": "easycache",
     "vae_tiling": "on",
+    "preview_every": 1,
 }
 IMAGES = {p.name: p.kind for p in IMAGE_PARAMS}
 
@@ -172,8 +173,10 @@ def test_in_process_the_native_call_receives_every_parameter(models_dir: Path) -
     catalog = LoraCatalog(lora_dirs([models_dir]))
     loras = {name: catalog.load(name) for name, _ in VALUES["loras"]}
     with Engine.load(models_dir / MODEL, threads=1) as engine:
-        result = engine.generate(GenerationParams(**VALUES), loras=loras)
+        previews: list[Any] = []
+        result = engine.generate(GenerationParams(**VALUES), loras=loras, preview=previews.append)
         received = engine.last_call
+    assert previews and all(p.step >= 1 for p in previews)  # preview_every reached the caller
     shapes = {
         "init_image": "72x64x3",  # the job's size, RGB
         "mask_image": "72x64x1",  # one channel

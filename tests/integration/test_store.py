@@ -74,6 +74,29 @@ def test_a_finished_job_leaves_only_expiring_keys(store: Store) -> None:
     assert store.recent() == [job_id]
 
 
+def test_previews_keep_one_event_in_the_list_and_go_at_the_finish(store: Store) -> None:
+    job_id = submit(store)
+    dispatch = place(store, job_id)
+    assert store.claim(job_id, dispatch, "inc-1", "w1") is not None
+    for seq in range(1, keys.EVENTS_CAP + 51):  # more previews than the list holds
+        store.publish_preview(job_id, {"seq": seq, "step": seq, "image": "QUJD" * 100})
+        if seq % 50 == 0:
+            store.publish_progress(job_id, seq, 500, 0.1)
+    events = store.events(job_id)
+    kinds = [e["event"] for e in events]
+    assert kinds[:3] == ["queued", "placed", "running"]  # nothing pushed out
+    assert kinds.count("preview") == 1 and kinds.count("step") == 5
+    (newest,) = [e for e in events if e["event"] == "preview"]
+    assert newest["seq"] == keys.EVENTS_CAP + 50 and events[-2] == newest  # then its step
+    assert store.preview(job_id) == newest
+    assert store.previews_of([job_id, "0" * 32]) == [newest, None]
+    assert 0 < store.ttls(job_id)[keys.preview_key(job_id)] <= keys.RESULT_TTL
+    assert store.finish(job_id, dispatch, "h/CPU", "done", meta={}, records=[], pngs=[b"p"])
+    assert store.preview(job_id) is None and keys.preview_key(job_id) not in store.ttls(job_id)
+    assert [e["event"] for e in store.events(job_id)].count("preview") == 1  # history
+    assert_all_keys_expire(store, keys.JOB_TTL)
+
+
 def test_every_other_ending_expires_too(store: Store) -> None:
     queued = submit(store)
     assert store.cancel(queued) == 1  # cancelled while queued

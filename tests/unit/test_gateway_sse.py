@@ -136,3 +136,25 @@ def test_many_streams_share_one_loop() -> None:
         return sum(await asyncio.gather(*(one(s) for s in stores)))
 
     assert asyncio.run(asyncio.wait_for(run(), 30)) == 4000
+
+
+def test_a_preview_image_is_never_scrubbed_and_a_removed_preview_keeps_the_place() -> None:
+    """Base64 can hold what looks like a path ("+/ab/c"): the image field passes as it is,
+    while text fields are still cleaned. The store removes a preview event when the next one
+    comes (lua/preview.lua): a stream whose last event vanished goes on after it."""
+    image = "AAAA+/tmp/x/yy=="
+    store = FakeStore([ev("queued", 1), ev("preview", 2, seq=1, image=image, note="/tmp/a")])
+
+    def script(s: FakeStore) -> None:
+        if s.reads == 3:  # the next preview replaces the first one
+            s.events = [ev("queued", 1), ev("step", 3), ev("preview", 4, seq=2, image=image)]
+        elif s.reads == 6:
+            s.events += [ev("done", 5)]
+            s.job_state = "done"
+
+    store.on_read = script
+    chunks = collect(store, clean=lambda text: text.replace("/tmp", "<path>"))
+    assert kinds(chunks) == ["queued", "preview", "step", "preview", "done"]
+    first = json.loads(chunks[1].split("data: ", 1)[1])
+    assert first["image"] == image and first["note"] == "<path>/a"
+    assert json.loads(chunks[3].split("data: ", 1)[1])["seq"] == 2
