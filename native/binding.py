@@ -99,6 +99,13 @@ typedef struct {
     ...;
 } sd_img_gen_params_t;
 
+typedef struct upscaler_ctx_t upscaler_ctx_t;
+upscaler_ctx_t* new_upscaler_ctx(const char* esrgan_path, bool offload_params_to_cpu, bool direct,
+                                 int n_threads, int tile_size);
+void free_upscaler_ctx(upscaler_ctx_t* upscaler_ctx);
+sd_image_t upscale(upscaler_ctx_t* upscaler_ctx, sd_image_t input_image, uint32_t upscale_factor);
+int get_upscale_factor(upscaler_ctx_t* upscaler_ctx);
+
 void sd_ctx_params_init(sd_ctx_params_t* sd_ctx_params);
 sd_ctx_t* new_sd_ctx(const sd_ctx_params_t* sd_ctx_params);
 void free_sd_ctx(sd_ctx_t* sd_ctx);

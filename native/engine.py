@@ -39,7 +39,7 @@ from sdfarm.native.fitplan import FitPlan, plan_fit
 from sdfarm.native.loras import LoraFile
 from sdfarm.native.model import Model
 from sdfarm.native.params import STEP_CACHES, GenerationParams, validate
-from sdfarm.native.ring import LogRing
+from sdfarm.native.ring import NATIVE_LOCK, LogRing
 from sdfarm.native.roles import ROLE_PARAMS
 
 WARMUP = GenerationParams(prompt="warm-up", width=64, height=64, steps=1, seed=1)
@@ -105,7 +105,7 @@ class Engine:
     """A model loaded into the runtime. Not thread-safe: one caller at a time (the worker
     gives each engine its own process)."""
 
-    _native_lock = threading.Lock()  # the runtime's callbacks and log ring are process-wide
+    _native_lock = NATIVE_LOCK  # the runtime's callbacks and log ring are process-wide
 
     def __init__(self) -> None:
         raise TypeError("use Engine.load(model, ...)")
@@ -141,17 +141,8 @@ class Engine:
         self.last_call: dict[str, Any] = {}  # the last generation's parameters, read back
         self._lora_paths: dict[str, Path] = {}
 
-        if figures is None:
-            from sdfarm.native.probe import read_host_figures
-
-            figs = read_host_figures(backend)
-        else:
-            figs = figures() if callable(figures) else figures
+        figs, planned = host_device(figures, backend, device, pinned)
         w, h = self.model.native_size
-        try:
-            planned = choose_compute_device(figs, pinned or device)
-        except ValueError:
-            planned = _fallback_device(figs)
         self.facts: ModelFacts = model_facts(self.model, planned)
         estimate = self.facts.resident()
         verdict = memory.check_memory(estimate, figs, device, pinned=pinned, enabled=check_memory)
@@ -489,8 +480,7 @@ class Engine:
         records = self._take_records(raw, cfg)
         if not images:
             errors = [r.message for r in raw if r.level == "error"]
-            if any("out of memory" in e.lower() or "device lost" in e.lower() for e in errors):
-                self._poisoned = "; ".join(errors)
+            self._poisoned = poison_reason(errors)
             raise GenerationError(
                 "the runtime returned no image"
                 + (": " + "; ".join(errors) if errors else " and logged no error"),
@@ -587,6 +577,14 @@ def lora_apply_mode() -> int:
     return LORA_APPLY_MODES.index(forced) if forced in LORA_APPLY_MODES else 2
 
 
+def poison_reason(errors: list[str]) -> str | None:
+    """Why a failed native call leaves the runtime unusable (out of memory, a lost device:
+    the backend's state is not to be trusted), or None when the next call may run."""
+    if any("out of memory" in e.lower() or "device lost" in e.lower() for e in errors):
+        return "; ".join(errors)
+    return None
+
+
 def _shape(img: Any, ffi: Any) -> str | None:
     """An sd_image_t as the native call sees it: "WxHxC", or None without pixels."""
     return None if img.data == ffi.NULL else f"{img.width}x{img.height}x{img.channel}"
@@ -597,6 +595,26 @@ def _image_size(data: bytes) -> tuple[int, int]:
 
     with Image.open(io.BytesIO(data), formats=images.FORMATS) as im:
         return im.size
+
+
+def host_device(
+    figures: HostFigures | Callable[[], HostFigures] | None,
+    backend: str | None,
+    device: str,
+    pinned: str | None,
+) -> tuple[HostFigures, Device]:
+    """The host's figures (injected, or read in a short-lived subprocess) and the device a
+    load plans for: the pinned one, else the choice `device`, else the CPU."""
+    if figures is None:
+        from sdfarm.native.probe import read_host_figures
+
+        figs = read_host_figures(backend)
+    else:
+        figs = figures() if callable(figures) else figures
+    try:
+        return figs, choose_compute_device(figs, pinned or device)
+    except ValueError:
+        return figs, _fallback_device(figs)
 
 
 def _fallback_device(figs: HostFigures) -> Device:

@@ -509,16 +509,18 @@ def attach_images(values: dict[str, Any], inputs: dict[str, bytes]) -> dict[str,
     for p in IMAGE_PARAMS:
         value = out.get(p.name)
         if p.kind == "image" and value is not None:
-            out[p.name] = _attached(p.name, value, inputs.get(p.name))
+            out[p.name] = attached_image(p.name, value, inputs.get(p.name))
         elif p.kind == "images" and value:
             out[p.name] = tuple(
-                _attached(f"{p.name}[{i}]", v, inputs.get(f"{p.name}:{i}"))
+                attached_image(f"{p.name}[{i}]", v, inputs.get(f"{p.name}:{i}"))
                 for i, v in enumerate(value)
             )
     return out
 
 
-def _attached(name: str, want: Any, data: bytes | None) -> bytes:
+def attached_image(name: str, want: Any, data: bytes | None) -> bytes:
+    """The input image that travelled beside a job's parameters, which must be the one its
+    digest `want` names; InvalidParameterError naming parameter `name` otherwise."""
     if data is None:
         raise InvalidParameterError(name, "its image did not arrive with the job (expired?)")
     if images.digest(data) != want:
@@ -534,16 +536,18 @@ def read_image_files(values: dict[str, Any]) -> dict[str, Any]:
     for p in IMAGE_PARAMS:
         value = out.get(p.name)
         if p.kind == "image" and isinstance(value, str | os.PathLike):
-            out[p.name] = _read(p.name, value)
+            out[p.name] = read_image(p.name, value)
         elif p.kind == "images" and isinstance(value, list | tuple):
             out[p.name] = [
-                _read(f"{p.name}[{i}]", v) if isinstance(v, str | os.PathLike) else v
+                read_image(f"{p.name}[{i}]", v) if isinstance(v, str | os.PathLike) else v
                 for i, v in enumerate(value)
             ]
     return out
 
 
-def _read(name: str, path: str | os.PathLike[str]) -> bytes:
+def read_image(name: str, path: str | os.PathLike[str]) -> bytes:
+    """The bytes of image file `path` (at most one byte over the cap, which the check then
+    refuses); InvalidParameterError naming parameter `name` when unreadable."""
     try:
         with open(path, "rb") as f:
             return f.read(images.MAX_IMAGE_BYTES + 1)
