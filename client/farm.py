@@ -1,5 +1,5 @@
 """The Python client: `Farm(redis_url).submit(model, prompt, ...) -> Job`, `farm.map(prompts)`
-for batches.
+for batches, `farm.upscale(image, upscaler) -> Job` for an upscale.
 
 A client talks to Redis only, through `sdfarm.store` (submit, wait, cancel); it never needs
 the scheduler to answer it. Parameters are validated here with the engine's own rules
@@ -28,7 +28,9 @@ from sdfarm.client.errors import (
     UnknownModelError,
 )
 from sdfarm.client.job import DEADLINE_GRACE_S, WAIT_SLICE_S, Job, Result
+from sdfarm.native import upscale_params
 from sdfarm.native.errors import InvalidParameterError
+from sdfarm.native.estimate import UpscalerFacts
 from sdfarm.native.params import (
     NAMES,
     OPTION_NAMES,
@@ -46,11 +48,13 @@ from sdfarm.scheduler.registry import (
     Registry,
     farm_loras,
     farm_models,
+    farm_upscalers,
     heartbeat_models,
+    heartbeat_upscalers,
     model_facts,
 )
 from sdfarm.store import JobSpec, Store
-from sdfarm.store.records import new_job_id
+from sdfarm.store.records import new_job_id, upscaler_key
 from sdfarm.store.retry import BUDGET_S, retry_transient
 
 __all__ = [
@@ -208,6 +212,59 @@ class Farm:
                 raise InvalidParameterError(
                     "loras", f"unknown LoRA {missing[0]!r}; the farm has {known}"
                 )
+
+    def upscale(
+        self,
+        image: bytes | str | os.PathLike[str],
+        upscaler: str,
+        *,
+        owner: str = "",
+        **fields: Any,
+    ) -> Job:
+        """Queue one upscale of `image` (bytes or a file path) by `upscaler` (a name in the
+        farm's upscalers/ folders); the job's result is the upscaled PNG. `fields` are the
+        other upscale parameters (sdfarm.native.upscale_params: factor, tile_size) and the job
+        options. InvalidParameterError before anything is queued (an unknown name, a bad
+        image, factor or tile size, an upscaler no live worker has included); FarmBusyError
+        at the queue limit."""
+        options = {k: fields.pop(k) for k in OPTION_NAMES if k in fields}
+        values = {"image": image, "upscaler": upscaler, **fields}
+        params = upscale_params.validate(
+            upscale_params.from_mapping(upscale_params.read_image_file(values))
+        )
+        self._check_upscaler(params)
+        opts = check_options(JobOptions(**options))
+        doc, inputs = upscale_params.detach(params)
+        spec = JobSpec(
+            model=upscaler_key(params.upscaler), params=doc, kind="upscale", owner=owner,
+            **asdict(opts),
+        )  # fmt: skip
+        return self.submit_spec(replace(spec, submitter=opts.submitter or self.submitter), inputs)
+
+    def _check_upscaler(self, params: upscale_params.UpscaleParams) -> None:
+        """InvalidParameterError naming an upscaler no live worker has, or a factor that is
+        not its scale (after a fresh look; with no worker up the job waits for one)."""
+        facts = model_facts(self._heartbeats(), upscaler_key(params.upscaler))
+        if facts is None and self._heartbeats(fresh=True):
+            facts = model_facts(self._heartbeats(), upscaler_key(params.upscaler))
+            if facts is None:
+                have = ", ".join(farm_upscalers(self._heartbeats())) or "none"
+                raise InvalidParameterError(
+                    "upscaler", f"unknown upscaler {params.upscaler!r}; the farm has {have}"
+                )
+        if isinstance(facts, UpscalerFacts):
+            upscale_params.check_against(params, facts.scale)
+
+    def upscalers(self) -> list[dict[str, Any]]:
+        """Every upscaler some live worker can load: name, bytes, scale and the devices."""
+        hbs = self._heartbeats(fresh=True)
+        out = []
+        for name in farm_upscalers(hbs):
+            facts = model_facts(hbs, upscaler_key(name))
+            assert isinstance(facts, UpscalerFacts)
+            have = [k for k, hb in sorted(hbs.items()) if name in heartbeat_upscalers(hb)]
+            out.append({"name": name, "bytes": facts.bytes, "scale": facts.scale, "devices": have})
+        return out
 
     def job(self, job_id: str) -> Job:
         return Job(self, job_id)

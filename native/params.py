@@ -146,6 +146,7 @@ class Param:
     unit: str = ""
     choices: tuple[str, ...] = ()
     auto: int | None = None
+    auto_text: str = ""  # what `auto` means, when not "pick one"
     max_chars: int | None = None
     max_bytes: int | None = None
     limit_why: str = ""
@@ -191,7 +192,8 @@ class Param:
         if self.step:
             text += f", a multiple of {self.step}"
         if self.auto is not None:
-            text += f"; {self.auto} picks one"
+            means = f": {self.auto_text}" if self.auto_text else " picks one"
+            text += f"; {self.auto}{means}"
         return text
 
     def check(self, value: Any) -> Any:
@@ -232,6 +234,8 @@ class Param:
             return number
         if not self.lo <= number <= self.hi:  # type: ignore[operator]
             hint = f" (or {self.auto} for a random {self.name})" if self.auto is not None else ""
+            if self.auto_text:
+                hint = f" (or {self.auto}: {self.auto_text})"
             raise InvalidParameterError(
                 self.name, f"{number} is outside {_num(self.lo)}..{_num(self.hi)}{self.unit}{hint}"
             )

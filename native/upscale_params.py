@@ -40,12 +40,12 @@ class UpscaleParams:
         "text", MISSING, "the upscaler, by name (the farm's upscalers/ folders)", max_chars=128
     )
     factor: int = param(
-        "int", 0, "how many times larger: the upscaler's own scale (0 picks it)",
-        lo=1, hi=MAX_FACTOR, auto=0,
+        "int", 0, "how many times larger: the upscaler's own scale, the only one it makes",
+        lo=1, hi=MAX_FACTOR, auto=0, auto_text="the upscaler's scale",
     )  # fmt: skip
     tile_size: int = param(
-        "int", DEFAULT_TILE, "input pixels a tile's side (0: the whole image at once, the most "
-        "memory)", lo=MIN_TILE, hi=MAX_TILE, auto=0,
+        "int", DEFAULT_TILE, "input pixels a tile's side: smaller tiles need less memory",
+        lo=MIN_TILE, hi=MAX_TILE, auto=0, auto_text="the whole image at once, the most memory",
     )  # fmt: skip
 
     def as_dict(self) -> dict[str, Any]:

@@ -22,8 +22,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
+from sdfarm.native import upscale_params
 from sdfarm.native.errors import InvalidParameterError
-from sdfarm.native.params import from_mapping
+from sdfarm.native.estimate import job_estimate
+from sdfarm.native.params import MAX_SIZE, from_mapping
 from sdfarm.scheduler import fairness, placement
 from sdfarm.scheduler.registry import (
     DEFAULT_BACKLOG,
@@ -31,9 +33,10 @@ from sdfarm.scheduler.registry import (
     Registry,
     Snapshot,
     account,
+    farm_upscalers,
 )
 from sdfarm.store import NOT_LEADER, Store, keys
-from sdfarm.store.records import decode, new_dispatch_id
+from sdfarm.store.records import decode, new_dispatch_id, upscaler_name
 
 MAX_ATTEMPTS = 2
 """A job whose worker died under it this many times is failed as poison (SPEC, worker)."""
@@ -74,8 +77,9 @@ class DispatchConfig:
             raise ValueError(f"queue limit must be at least 1, got {self.queue_limit}")
 
 
-Shape = tuple[str, int, int, bool, tuple[str, ...]]
-"""(model, width, height, encodes an input image, its LoRAs)."""
+Shape = tuple[str, int, int, bool, tuple[str, ...], int]
+"""(engine, width, height, encodes an input image, its LoRAs, tile size): an upscale job's
+engine is `upscaler:NAME`, its size the input image's."""
 
 
 @dataclass(frozen=True)
@@ -91,11 +95,12 @@ class PendingJob:
     height: int
     encodes: bool = False
     loras: tuple[str, ...] = ()
+    tile_size: int = 0
 
     @property
     def shape(self) -> Shape:
         """What the job's estimate depends on: jobs of one shape share it."""
-        return (self.model, self.width, self.height, self.encodes, self.loras)
+        return (self.model, self.width, self.height, self.encodes, self.loras, self.tile_size)
 
 
 class Outbox(Protocol):
@@ -349,7 +354,11 @@ class Dispatcher:
                 continue
             self._missing_since.pop(model, None)
             sizes = snap.loras()
-            estimate = facts.estimate(*shape[1:4], sum(sizes.get(n, 0) for n in shape[4]))
+            _, width, height, encodes, loras, tile = shape
+            estimate = job_estimate(
+                facts, width, height, encodes=encodes, tile_size=tile,
+                extra_bytes=sum(sizes.get(n, 0) for n in loras),
+            )  # fmt: skip
             outcome = placement.place(
                 placement.JobRequest(model, estimate), list(devices.values()), now
             )
@@ -399,6 +408,12 @@ class Dispatcher:
 
     @staticmethod
     def _unknown_error(model: str, snap: Snapshot) -> str:
+        upscaler = upscaler_name(model)
+        if upscaler is not None:
+            return (
+                f"unknown upscaler {upscaler!r}: no live worker has it; the farm has: "
+                f"{', '.join(farm_upscalers(snap.heartbeats)) or 'no upscalers'}"
+            )
         return (
             f"unknown model {model!r}: no live worker has it; the farm has: "
             f"{', '.join(snap.models()) or 'no models'}"
@@ -478,11 +493,19 @@ def _pending_job(job_id: str, priority: int, values: list[Any]) -> PendingJob | 
     state, model, submitter, created, spec = (decode(v) for v in values)
     if state != "queued" or not model:
         return None
+    tile = 0
     try:
         params = json.loads(spec).get("params") or {}
-        width, height = from_mapping(params).final_size  # hires: the final size counts
-        encodes = params.get("init_image") is not None
-        loras = tuple(str(pair[0]) for pair in params.get("loras") or [])
+        if upscaler_name(model) is not None:
+            # An upscale job: its input size and tile size (a malformed size places as the
+            # largest input, the worker refuses what does not fit).
+            width, height = upscale_params.input_size(params) or (MAX_SIZE, MAX_SIZE)
+            tile = int(params.get("tile_size", upscale_params.DEFAULT_TILE))
+            encodes, loras = False, ()
+        else:
+            width, height = from_mapping(params).final_size  # hires: the final size counts
+            encodes = params.get("init_image") is not None
+            loras = tuple(str(pair[0]) for pair in params.get("loras") or [])
     except (ValueError, TypeError, AttributeError, IndexError, InvalidParameterError):
         width, height, encodes, loras = 256, 256, False, ()
     try:
@@ -491,5 +514,5 @@ def _pending_job(job_id: str, priority: int, values: list[Any]) -> PendingJob | 
         created_at = 0.0
     return PendingJob(
         job_id, model, priority, submitter or "anonymous", created_at, width, height, encodes,
-        loras,
+        loras, tile,
     )  # fmt: skip
