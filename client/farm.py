@@ -178,6 +178,8 @@ class Farm:
             raise InvalidParameterError("model", "give a model name")
         self._check_model(spec.model)
         self._check_loras([str(pair[0]) for pair in spec.params.get("loras") or []])
+        if spec.params.get("hires_upscaler"):
+            self._upscaler_facts(str(spec.params["hires_upscaler"]), "hires_upscaler")
         job_id = new_job_id()  # the same id on every try: a retry never queues twice
         try:
             queued, depth, limit = self.retry(
@@ -243,17 +245,24 @@ class Farm:
 
     def _check_upscaler(self, params: upscale_params.UpscaleParams) -> None:
         """InvalidParameterError naming an upscaler no live worker has, or a factor that is
-        not its scale (after a fresh look; with no worker up the job waits for one)."""
-        facts = model_facts(self._heartbeats(), upscaler_key(params.upscaler))
+        not its scale."""
+        facts = self._upscaler_facts(params.upscaler, "upscaler")
+        if facts is not None:
+            upscale_params.check_against(params, facts.scale)
+
+    def _upscaler_facts(self, name: str, parameter: str) -> UpscalerFacts | None:
+        """The facts of upscaler `name`; InvalidParameterError naming `parameter` when live
+        workers are up and none has it (after a fresh look); None with no worker up (the job
+        waits for one)."""
+        facts = model_facts(self._heartbeats(), upscaler_key(name))
         if facts is None and self._heartbeats(fresh=True):
-            facts = model_facts(self._heartbeats(), upscaler_key(params.upscaler))
+            facts = model_facts(self._heartbeats(), upscaler_key(name))
             if facts is None:
                 have = ", ".join(farm_upscalers(self._heartbeats())) or "none"
                 raise InvalidParameterError(
-                    "upscaler", f"unknown upscaler {params.upscaler!r}; the farm has {have}"
+                    parameter, f"unknown upscaler {name!r}; the farm has {have}"
                 )
-        if isinstance(facts, UpscalerFacts):
-            upscale_params.check_against(params, facts.scale)
+        return facts if isinstance(facts, UpscalerFacts) else None
 
     def upscalers(self) -> list[dict[str, Any]]:
         """Every upscaler some live worker can load: name, bytes, scale and the devices."""

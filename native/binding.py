@@ -66,15 +66,18 @@ typedef struct {
 typedef struct { bool enabled; ...; } sd_tiling_params_t;
 enum sd_cache_mode_t { SD_CACHE_DISABLED, ... };
 typedef struct { enum sd_cache_mode_t mode; ...; } sd_cache_params_t;
-enum sd_hires_upscaler_t { SD_HIRES_UPSCALER_NONE, SD_HIRES_UPSCALER_LATENT, ... };
+enum sd_hires_upscaler_t { SD_HIRES_UPSCALER_NONE, SD_HIRES_UPSCALER_LATENT,
+                           SD_HIRES_UPSCALER_MODEL, ... };
 typedef struct {
     bool enabled;
     enum sd_hires_upscaler_t upscaler;
+    const char* model_path;
     float scale;
     int target_width;
     int target_height;
     int steps;
     float denoising_strength;
+    int upscale_tile_size;
     ...;
 } sd_hires_params_t;
 typedef struct {

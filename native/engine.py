@@ -34,13 +34,19 @@ from sdfarm.native.errors import (
     ModelLoadError,
     ModelTooLargeError,
 )
-from sdfarm.native.estimate import ModelFacts, model_facts, use_vae_conv_direct
+from sdfarm.native.estimate import (
+    ModelFacts,
+    model_facts,
+    upscaler_facts,
+    use_vae_conv_direct,
+)
 from sdfarm.native.fitplan import FitPlan, plan_fit
 from sdfarm.native.loras import LoraFile
 from sdfarm.native.model import Model
 from sdfarm.native.params import STEP_CACHES, GenerationParams, validate
 from sdfarm.native.ring import NATIVE_LOCK, LogRing
 from sdfarm.native.roles import ROLE_PARAMS
+from sdfarm.native.upscalers import UpscalerFile
 
 WARMUP = GenerationParams(prompt="warm-up", width=64, height=64, steps=1, seed=1)
 
@@ -140,6 +146,7 @@ class Engine:
         self.native_calls = 0  # generate/load calls into the runtime (tests assert on it)
         self.last_call: dict[str, Any] = {}  # the last generation's parameters, read back
         self._lora_paths: dict[str, Path] = {}
+        self._hires_path: Path | None = None
 
         figs, planned = host_device(figures, backend, device, pinned)
         w, h = self.model.native_size
@@ -265,6 +272,12 @@ class Engine:
             g.hires.target_width, g.hires.target_height = params.final_size
             g.hires.steps = params.hires_steps
             g.hires.denoising_strength = params.hires_strength
+            if self._hires_path is not None:
+                path = self._ffi.new("char[]", str(self._hires_path).encode())
+                keep.append(path)
+                g.hires.upscaler = lib.SD_HIRES_UPSCALER_MODEL
+                g.hires.model_path = path
+        g.hires.upscale_tile_size = params.hires_tile_size
         keep += self._set_loras(g, params)
         if params.sampler != "default":
             g.sample_params.sample_method = _enum_index(
@@ -389,6 +402,10 @@ class Engine:
             "hires_steps": g.hires.steps,
             "hires_strength": g.hires.denoising_strength,
             "hires_size": f"{g.hires.target_width}x{g.hires.target_height}",
+            "hires_upscaler": Path(ffi.string(g.hires.model_path).decode()).stem
+            if g.hires.upscaler == lib.SD_HIRES_UPSCALER_MODEL
+            else "",
+            "hires_tile_size": g.hires.upscale_tile_size,
             "step_cache": STEP_CACHES[g.cache.mode],
         }
 
@@ -421,13 +438,15 @@ class Engine:
         log: LogConfig | None = None,
         estimate: int | None = None,
         loras: Mapping[str, LoraFile] | None = None,
+        upscalers: Mapping[str, UpscalerFile] | None = None,
         **kwargs: Any,
     ) -> GenerationResult:
         """Generate `params` (or keyword arguments of GenerationParams). `log` overrides the
         engine's log settings for this call (a farm's jobs each choose their level and whether
         prompts stay in records). `estimate` is the job's estimate as the scheduler placed it
         (sdfarm.native.estimate); without it the engine makes it from its own facts. `loras`
-        are the checked files (sdfarm.native.loras) of the LoRAs `params` names. Raises
+        are the checked files (sdfarm.native.loras) of the LoRAs `params` names, `upscalers`
+        that of its hires_upscaler (sdfarm.native.upscalers). Raises
         InvalidParameterError before any native call, ModelTooLargeError when the estimate
         at the requested size exceeds what refuses a load, GenerationError quoting the
         runtime's error records."""
@@ -437,7 +456,8 @@ class Engine:
             raise TypeError("pass GenerationParams or keyword arguments, not both")
         self._check_usable()
         params = validate(params)
-        if params.encodes and not self.model.can_encode:
+        hires_bytes = self._hires_upscaler(params, upscalers or {})
+        if params.init_image is not None and not self.model.can_encode:
             raise InvalidParameterError(
                 "init_image",
                 f"model {self.model.name!r} cannot encode an image (img2img, inpainting): its "
@@ -450,7 +470,7 @@ class Engine:
         self._lora_paths = {name: files[name].path for name, _ in params.loras}
         lora_bytes = sum(files[name].size for name, _ in params.loras)
         size_estimate = estimate or self.estimate_for(
-            *params.final_size, params.encodes, lora_bytes
+            *params.final_size, params.encodes, lora_bytes + hires_bytes
         )
         limit = self._verdict.refuse_figure
         if self._verdict.action != "skip" and limit is not None and size_estimate > limit:
@@ -465,6 +485,8 @@ class Engine:
             )
         cfg = log or self._log
         lora_labels = {str(path): f"<lora {name} file>" for name, path in self._lora_paths.items()}
+        if self._hires_path is not None:
+            lora_labels[str(self._hires_path)] = f"<upscaler {params.hires_upscaler} file>"
         scrub = logs.Scrubber(
             {**self._path_roles, **lora_labels},
             (params.prompt, params.negative_prompt),
@@ -502,6 +524,28 @@ class Engine:
             "timings": {"generate_s": round(seconds, 4)},
         }
         return GenerationResult(images, params, metadata, records)
+
+    def _hires_upscaler(self, params: GenerationParams, files: Mapping[str, UpscalerFile]) -> int:
+        """Check the hires pass's model upscaler and keep its file for the call; the bytes it
+        adds to the estimate (`UpscalerFacts.working`). The runtime decodes the first pass,
+        upscales the image and encodes it again, so the model needs its encoder."""
+        self._hires_path = None
+        if not params.hires_upscaler:
+            return 0
+        if not self.model.can_encode:
+            raise InvalidParameterError(
+                "hires_upscaler",
+                f"model {self.model.name!r} cannot encode the upscaled image: its VAE or TAESD "
+                "has no encoder (use the latent upscale: no hires_upscaler)",
+            )
+        file = files.get(params.hires_upscaler)
+        if file is None:
+            raise InvalidParameterError(
+                "hires_upscaler", f"unknown upscaler {params.hires_upscaler!r}"
+            )
+        self._hires_path = file.path
+        facts = upscaler_facts(file.size, file.scale, self.capabilities_device)
+        return facts.working(params.width, params.height, params.hires_tile_size)
 
     def estimate_for(
         self, width: int, height: int, encodes: bool = False, extra_bytes: int = 0

@@ -152,6 +152,12 @@ class UpscalerFacts:
             + w * h * s * s * UPSCALE_IMAGE_BYTES_PER_PIXEL
         )
 
+    def working(self, width: int, height: int, tile_size: int) -> int:
+        """What this upscaler adds inside a generation (a hires pass's model upscaler, loaded
+        by the runtime for the call, on the first pass's width x height image): the estimate
+        without the process's share, which the generation's estimate already counts."""
+        return self.estimate(width, height, tile_size) - UPSCALE_OVERHEAD
+
     def resident(self) -> int:
         """What a loaded upscaler holds between jobs: its weights (the seed's quarter on top,
         as for models) and the process's share."""

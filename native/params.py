@@ -125,6 +125,10 @@ MAX_LORAS = 8
 STEP_CACHES = ("off", "easycache", "ucache", "dbcache", "taylorseer", "cache_dit", "spectrum")
 """sd_cache_mode_t of master-596, in its order ("off" is SD_CACHE_DISABLED)."""
 MAX_LORA_WEIGHT = 10.0
+# Upscaler tiles (sdfarm.native.upscale_params): input pixels a side. Tiles below 32 pixels run
+# but cost many times the time (a 40x40 image in 1-pixel tiles took 20 s against 0.1 s).
+MIN_TILE, MAX_TILE, DEFAULT_TILE = 32, 1024, 128
+WHOLE_IMAGE = "the whole image at once, the most memory"
 
 
 @dataclass(frozen=True)
@@ -315,6 +319,15 @@ class GenerationParams:
     hires_strength: float = param(
         "float", 0.7, "how much the high-resolution pass redraws", lo=0.0, hi=1.0
     )
+    hires_upscaler: str = param(
+        "text", "", "the high-resolution pass's upscaler, by name (the farm's upscalers/ "
+        "folders): it upscales the decoded image, encoded again (empty: the latent is "
+        "upscaled)", max_chars=128,
+    )  # fmt: skip
+    hires_tile_size: int = param(
+        "int", DEFAULT_TILE, "input pixels a tile's side of the hires upscaler", lo=MIN_TILE,
+        hi=MAX_TILE, auto=0, auto_text=WHOLE_IMAGE,
+    )  # fmt: skip
     step_cache: str = param(
         "choice", "off", "reuse the model's output across similar steps (faster, a little "
         "different; for DiT models: easycache, cache_dit, ...)", choices=STEP_CACHES,
@@ -345,8 +358,9 @@ class GenerationParams:
 
     @property
     def encodes(self) -> bool:
-        """Whether the engine encodes an image into latents (img2img, inpainting)."""
-        return self.init_image is not None
+        """Whether the engine encodes an image into latents (img2img, inpainting, the image
+        a hires upscaler made)."""
+        return self.init_image is not None or bool(self.hires_upscaler)
 
 
 @dataclass(frozen=True)
@@ -477,6 +491,14 @@ def validate(params: GenerationParams) -> GenerationParams:
             "hires_scale",
             f"{checked['width']}x{checked['height']} times {checked['hires_scale']:g} is "
             f"{final[0]}x{final[1]}, beyond {MAX_SIZE} pixels a side or {MAX_PIXELS} in all",
+        )
+    if checked["hires_upscaler"] and not (
+        LORA_NAME.match(checked["hires_upscaler"]) and checked["hires_scale"] > 1.0
+    ):
+        raise InvalidParameterError(
+            "hires_upscaler",
+            f"{checked['hires_upscaler']!r}: give an upscaler's name (letters, digits, '.', '_', "
+            "'-') and a hires_scale above 1 (the pass is off at 1)",
         )
     if checked["mask_image"] is not None and checked["init_image"] is None:
         raise InvalidParameterError(

@@ -9,8 +9,7 @@ What the runtime does with them (src/upscaler.cpp of master-596): `upscale()` ig
 factor it is given and always returns the input times the model's scale, so a job's factor is
 the upscaler's scale or 0 ("the upscaler's own"), checked once the upscaler is known
 (`check_against`). Tiles are `tile_size` input pixels a side with a quarter of overlap; 0 runs
-the whole image at once (the most memory). Tiles below 32 pixels run but cost many times the
-time (a 40x40 image in 1-pixel tiles took 20 s against 0.1 s), so they are refused.
+the whole image at once (the most memory); tiles below 32 pixels are refused (params.MIN_TILE).
 """
 
 from __future__ import annotations
@@ -23,10 +22,19 @@ from typing import Any
 from sdfarm.native import images
 from sdfarm.native.catalog import NAME
 from sdfarm.native.errors import InvalidParameterError
-from sdfarm.native.params import Param, _params_of, attached_image, param, read_image
+from sdfarm.native.params import (
+    DEFAULT_TILE,
+    MAX_TILE,
+    MIN_TILE,
+    WHOLE_IMAGE,
+    Param,
+    _params_of,
+    attached_image,
+    param,
+    read_image,
+)
 
 MAX_FACTOR = 4
-MIN_TILE, MAX_TILE, DEFAULT_TILE = 32, 1024, 128
 MAX_OUTPUT_SIDE = 8192
 MAX_OUTPUT_PIXELS = 4096 * 4096
 
@@ -45,7 +53,7 @@ class UpscaleParams:
     )  # fmt: skip
     tile_size: int = param(
         "int", DEFAULT_TILE, "input pixels a tile's side: smaller tiles need less memory",
-        lo=MIN_TILE, hi=MAX_TILE, auto=0, auto_text="the whole image at once, the most memory",
+        lo=MIN_TILE, hi=MAX_TILE, auto=0, auto_text=WHOLE_IMAGE,
     )  # fmt: skip
 
     def as_dict(self) -> dict[str, Any]:

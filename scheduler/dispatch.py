@@ -24,7 +24,7 @@ from typing import Any, Protocol
 
 from sdfarm.native import upscale_params
 from sdfarm.native.errors import InvalidParameterError
-from sdfarm.native.estimate import job_estimate
+from sdfarm.native.estimate import UpscalerFacts, job_estimate
 from sdfarm.native.params import MAX_SIZE, from_mapping
 from sdfarm.scheduler import fairness, placement
 from sdfarm.scheduler.registry import (
@@ -36,7 +36,7 @@ from sdfarm.scheduler.registry import (
     farm_upscalers,
 )
 from sdfarm.store import NOT_LEADER, Store, keys
-from sdfarm.store.records import decode, new_dispatch_id, upscaler_name
+from sdfarm.store.records import decode, new_dispatch_id, upscaler_key, upscaler_name
 
 MAX_ATTEMPTS = 2
 """A job whose worker died under it this many times is failed as poison (SPEC, worker)."""
@@ -77,9 +77,11 @@ class DispatchConfig:
             raise ValueError(f"queue limit must be at least 1, got {self.queue_limit}")
 
 
-Shape = tuple[str, int, int, bool, tuple[str, ...], int]
-"""(engine, width, height, encodes an input image, its LoRAs, tile size): an upscale job's
-engine is `upscaler:NAME`, its size the input image's."""
+Hires = tuple[str, int, int, int]
+"""A hires pass's model upscaler: (its name, the first pass's width and height, tile size)."""
+Shape = tuple[str, int, int, bool, tuple[str, ...], int, Hires | None]
+"""(engine, width, height, encodes an image, its LoRAs, tile size, its hires upscaler): an
+upscale job's engine is `upscaler:NAME`, its size the input image's."""
 
 
 @dataclass(frozen=True)
@@ -96,11 +98,15 @@ class PendingJob:
     encodes: bool = False
     loras: tuple[str, ...] = ()
     tile_size: int = 0
+    hires: Hires | None = None
 
     @property
     def shape(self) -> Shape:
         """What the job's estimate depends on: jobs of one shape share it."""
-        return (self.model, self.width, self.height, self.encodes, self.loras, self.tile_size)
+        return (
+            self.model, self.width, self.height, self.encodes, self.loras, self.tile_size,
+            self.hires,
+        )  # fmt: skip
 
 
 class Outbox(Protocol):
@@ -354,11 +360,11 @@ class Dispatcher:
                 continue
             self._missing_since.pop(model, None)
             sizes = snap.loras()
-            _, width, height, encodes, loras, tile = shape
+            _, width, height, encodes, loras, tile, hires = shape
+            extra = sum(sizes.get(n, 0) for n in loras) + _hires_bytes(snap, hires)
             estimate = job_estimate(
-                facts, width, height, encodes=encodes, tile_size=tile,
-                extra_bytes=sum(sizes.get(n, 0) for n in loras),
-            )  # fmt: skip
+                facts, width, height, encodes=encodes, tile_size=tile, extra_bytes=extra
+            )
             outcome = placement.place(
                 placement.JobRequest(model, estimate), list(devices.values()), now
             )
@@ -493,7 +499,7 @@ def _pending_job(job_id: str, priority: int, values: list[Any]) -> PendingJob | 
     state, model, submitter, created, spec = (decode(v) for v in values)
     if state != "queued" or not model:
         return None
-    tile = 0
+    tile, hires = 0, None
     try:
         params = json.loads(spec).get("params") or {}
         if upscaler_name(model) is not None:
@@ -503,9 +509,12 @@ def _pending_job(job_id: str, priority: int, values: list[Any]) -> PendingJob | 
             tile = int(params.get("tile_size", upscale_params.DEFAULT_TILE))
             encodes, loras = False, ()
         else:
-            width, height = from_mapping(params).final_size  # hires: the final size counts
-            encodes = params.get("init_image") is not None
+            gen = from_mapping(params)
+            width, height = gen.final_size  # hires: the final size counts
+            encodes = gen.encodes
             loras = tuple(str(pair[0]) for pair in params.get("loras") or [])
+            if gen.hires_upscaler:
+                hires = (str(gen.hires_upscaler), gen.width, gen.height, gen.hires_tile_size)
     except (ValueError, TypeError, AttributeError, IndexError, InvalidParameterError):
         width, height, encodes, loras = 256, 256, False, ()
     try:
@@ -514,5 +523,15 @@ def _pending_job(job_id: str, priority: int, values: list[Any]) -> PendingJob | 
         created_at = 0.0
     return PendingJob(
         job_id, model, priority, submitter or "anonymous", created_at, width, height, encodes,
-        loras, tile,
+        loras, tile, hires,
     )  # fmt: skip
+
+
+def _hires_bytes(snap: Snapshot, hires: Hires | None) -> int:
+    """What a hires pass's model upscaler adds to a generation's estimate
+    (`UpscalerFacts.working`); 0 without one, or when no live worker has it (the client
+    refuses such a job, the worker fails it by name)."""
+    if hires is None:
+        return 0
+    facts = snap.model_facts(upscaler_key(hires[0]))
+    return facts.working(*hires[1:]) if isinstance(facts, UpscalerFacts) else 0

@@ -133,15 +133,21 @@ class JobRun:
         model = self.ctx.catalog.load(spec.model)
         facts = model_facts(model, self.ctx.config.device)
         loras = {name: self.ctx.loras.load(name) for name, _ in params.loras}
-        lora_bytes = sum(f.size for f in loras.values())
+        extra = sum(f.size for f in loras.values())
+        ups = {}
+        if params.hires_upscaler:
+            file = ups[params.hires_upscaler] = self.ctx.upscalers.load(params.hires_upscaler)
+            hires = upscaler_facts(file.size, file.scale, self.ctx.config.device.name)
+            extra += hires.working(params.width, params.height, params.hires_tile_size)
         # The job's estimate as the scheduler placed it (sdfarm.native.estimate): the
         # cache makes room for it and the engine checks it, so all three agree.
-        need = claimed.estimate or facts.estimate(*params.final_size, params.encodes, lora_bytes)
+        need = claimed.estimate or facts.estimate(*params.final_size, params.encodes, extra)
         engine = self.ctx.request_engine(spec.model, model, facts.resident(), self.job_id, need)
         log_config = LogConfig(level=self.level, log_prompts=self.log_prompts)
         return engine, lambda: engine.generate(
-            params, progress=self._progress, log=log_config, estimate=need, loras=loras
-        )
+            params, progress=self._progress, log=log_config, estimate=need, loras=loras,
+            upscalers=ups,
+        )  # fmt: skip
 
     def _prepare_upscale(self, spec: JobSpec, claimed: Claim) -> tuple[Any, Callable[[], Any]]:
         """An upscale's checked parameters, upscaler file and engine (`upscaler:NAME` in the

@@ -106,6 +106,9 @@ def test_bad_input_is_refused_at_submit(client: Farm) -> None:
     with pytest.raises(InvalidParameterError) as err:
         client.upscale(png(16, 16), "../upscalers/" + X2)
     assert err.value.parameter == "upscaler"
+    with pytest.raises(InvalidParameterError) as err:  # a generation's hires upscaler too
+        client.submit("tiny-f16", "x", width=64, height=64, hires_scale=2, hires_upscaler="nope")
+    assert err.value.parameter == "hires_upscaler" and "unknown upscaler" in str(err.value)
 
 
 def test_a_job_past_the_client_is_refused_by_the_worker_which_survives(client: Farm) -> None:

@@ -1,7 +1,7 @@
 """The upscaler on the real runtime with the tiny ESRGANs (upscalers/tiny-esrgan-x2, -x4): the
 output is the input times the factor, tiled or not; the same input gives the same pixels in
 another process, another input other pixels; bad input is refused before any native call and
-the upscaler goes on working."""
+the upscaler goes on working. A generation's hires pass can use one too."""
 
 from __future__ import annotations
 
@@ -10,13 +10,16 @@ import io
 import subprocess
 import sys
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import pytest
 from PIL import Image
 
+from sdfarm.native.engine import Engine
 from sdfarm.native.errors import InvalidParameterError
+from sdfarm.native.params import GenerationParams
 from sdfarm.native.upscale import Upscaler
 from sdfarm.native.upscalers import UpscalerCatalog, upscaler_dirs
 
@@ -112,3 +115,36 @@ def test_an_image_with_alpha_is_read_as_rgb(x2: Upscaler) -> None:
     out = x2.upscale(image=rgba, tile_size=0)
     assert out.image.mode == "RGB" and out.image.size == (32, 32)
     assert any("alpha" in w for w in out.metadata["warnings"])
+
+
+def test_the_hires_pass_can_upscale_with_an_upscaler(
+    catalog: UpscalerCatalog, models_dir: Path
+) -> None:
+    """SD_HIRES_UPSCALER_MODEL: the runtime decodes the first pass, runs the ESRGAN, encodes
+    the image again and redraws it; the estimate counts the upscaler's working memory."""
+    files = {n: catalog.load(n) for n in catalog.names()}
+    base = GenerationParams(prompt="a hires test", width=64, height=64, steps=2, seed=5,
+                            hires_scale=2.0, hires_steps=2, hires_strength=0.3)  # fmt: skip
+    with Engine.load(models_dir / "tiny-f16", threads=2) as engine:
+        latent = engine.generate(base, upscalers=files)
+        model = engine.generate(replace(base, hires_upscaler="tiny-esrgan-x2"), upscalers=files)
+        assert engine.last_call["hires_upscaler"] == "tiny-esrgan-x2"
+        assert engine.last_call["hires_tile_size"] == 128
+        again = engine.generate(replace(base, hires_upscaler="tiny-esrgan-x2"), upscalers=files)
+        assert latent.image.size == model.image.size == (128, 128)
+        assert model.image.tobytes() != latent.image.tobytes()
+        assert again.image.tobytes() == model.image.tobytes()
+        assert model.metadata["estimate"] > latent.metadata["estimate"]
+        assert "hires_upscaler" in model.metadata
+        before = engine.native_calls
+        bad = [
+            (replace(base, hires_upscaler="nope"), "hires_upscaler"),  # not a checked file
+            (replace(base, hires_upscaler="tiny-esrgan-x2", hires_scale=1.0), "hires_upscaler"),
+            (replace(base, hires_upscaler="../x"), "hires_upscaler"),
+            (replace(base, hires_upscaler="tiny-esrgan-x2", hires_tile_size=8), "hires_tile_size"),
+        ]
+        for params, name in bad:
+            with pytest.raises(InvalidParameterError) as err:
+                engine.generate(params, upscalers=files)
+            assert err.value.parameter == name
+        assert engine.native_calls == before

@@ -39,7 +39,7 @@ def test_a_queued_upscale_job_is_shaped_by_its_input_and_tile_size() -> None:
                        "tile_size": 64, "input_size": [300, 200]}}  # fmt: skip
     job = _pending_job("j1", 5, ["queued", "upscaler:esrgan", "me", "1.0", json.dumps(spec)])
     assert job is not None
-    assert job.shape == ("upscaler:esrgan", 300, 200, False, (), 64)
+    assert job.shape == ("upscaler:esrgan", 300, 200, False, (), 64, None)
     estimate = job_estimate(CPU, job.width, job.height, tile_size=job.tile_size)
     assert estimate == CPU.estimate(300, 200, 64)
     assert estimate < CPU.estimate(300, 200, 0)  # tiles: less working memory
@@ -68,3 +68,19 @@ def test_placement_prefers_the_device_holding_the_upscaler() -> None:
     devices = [dev("a/CPU", (LoadedModel("esrgan", 1 << 30),)), dev("b/CPU", ())]
     outcome = place(JobRequest(key, estimate), devices, 0.0)
     assert isinstance(outcome, Placed) and outcome.tier != "loaded"
+
+
+def test_a_hires_model_upscaler_adds_its_working_memory_to_a_generation() -> None:
+    from sdfarm.scheduler.dispatch import _hires_bytes
+    from sdfarm.scheduler.registry import Snapshot
+
+    params = {"prompt": "x", "width": 256, "height": 256, "hires_scale": 2.0,
+              "hires_upscaler": "esrgan", "hires_tile_size": 64}  # fmt: skip
+    spec = json.dumps({"model": "m", "params": params})
+    job = _pending_job("j3", 5, ["queued", "m", "me", "1.0", spec])
+    assert job is not None and job.hires == ("esrgan", 256, 256, 64)
+    assert (job.width, job.height, job.encodes) == (512, 512, True)  # encoded again
+    snap = Snapshot(heartbeats={"a/CPU": hb(esrgan=CPU)})
+    assert _hires_bytes(snap, job.hires) == CPU.working(256, 256, 64) > CPU.bytes
+    assert _hires_bytes(snap, None) == 0
+    assert _hires_bytes(snap, ("unknown", 256, 256, 64)) == 0  # the client refuses it
