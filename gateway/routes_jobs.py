@@ -92,6 +92,17 @@ def create_upscale(request: Request, body: Any = Depends(json_body)) -> Any:  # 
     return {"id": job.id, "state": "queued"}
 
 
+@router.get("/v1/upscalers", dependencies=[Depends(require_token)], responses=_errors(401, 503))
+def list_upscalers(request: Request) -> Any:
+    """The upscalers some live worker can load: name, bytes and scale (the only factor each
+    makes); no paths, no devices."""
+    try:
+        found = request.app.state.farm.upscalers()
+    except Exception as exc:  # noqa: BLE001
+        raise _farm_error(exc) from None
+    return {"data": [{k: u[k] for k in ("name", "bytes", "scale")} for u in found]}
+
+
 @router.get(
     "/v1/jobs/{job_id}", dependencies=[Depends(require_token)], responses=_errors(401, 404, 503)
 )

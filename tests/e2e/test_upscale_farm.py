@@ -139,6 +139,9 @@ def test_the_gateway_route_queues_an_upscale_with_the_jobs_api_rules(farm: Any) 
         b = {"Authorization": "Bearer token-b"}
         r = httpx.post(f"{base}/v1/upscale", json={"image": image, "upscaler": X2}, timeout=30)
         assert r.status_code == 401  # no token, no job
+        listed = httpx.get(f"{base}/v1/upscalers", headers=a, timeout=30).json()["data"]
+        assert {u["name"]: u["scale"] for u in listed} == {X2: 2, "tiny-esrgan-x4": 4}
+        assert httpx.get(f"{base}/v1/upscalers", timeout=30).status_code == 401
         r = httpx.post(
             f"{base}/v1/upscale", json={"image": image, "upscaler": X2, "tile_size": 0},
             headers=a, timeout=30,
@@ -188,3 +191,11 @@ def test_the_cli_upscales_on_the_farm(farm: Any, tmp_path: Path) -> None:
     doc = json.loads(done.stdout)
     assert doc["job"] and doc["output_size"] == [32, 24] and doc["kind"] == "upscale"
     assert Image.open(out).size == (32, 24)
+    done = subprocess.run(
+        [sys.executable, "-m", "sdfarm.cli.main", "models", "--redis", farm.url, "--json"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    listed = json.loads(done.stdout)
+    assert [u["name"] for u in listed["upscalers"]] == [X2, "tiny-esrgan-x4"]
+    assert [m["name"] for m in listed["models"]] == ["tiny-f16", "tiny-q8_0"]
