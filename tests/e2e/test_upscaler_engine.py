@@ -110,6 +110,15 @@ def test_bad_input_is_refused_before_any_native_call(x2: Upscaler) -> None:
     assert x2.upscale(image=png(16, 16)).image.size == (32, 32)  # still working
 
 
+def test_odd_sizes_and_tiles_upscale_whole(x2: Upscaler) -> None:
+    """The sizes and tiles at the edges of what the schema lets through: the smallest image,
+    odd sides, a side just over a tile, a thin strip across many tiles."""
+    for w, h in ((8, 8), (9, 13), (33, 8), (8, 150)):
+        for tile in (0, 32):
+            out = x2.upscale(image=png(w, h, seed=w * h), tile_size=tile).image
+            assert out.size == (2 * w, 2 * h), (w, h, tile)
+
+
 def test_an_image_with_alpha_is_read_as_rgb(x2: Upscaler) -> None:
     rgba = png(16, 16, seed=3, mode="RGBA")
     out = x2.upscale(image=rgba, tile_size=0)
