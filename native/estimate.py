@@ -117,8 +117,10 @@ def decode_bytes_per_pixel(roles: Mapping[str, object], device: Device) -> int:
 # -- upscalers (sdfarm.native.upscale) ---------------------------------------------------------
 
 UPSCALE_OVERHEAD = 128 * memory.MiB
-"""What an upscaler process holds beside weights and working memory (Python, the runtime, the
-compute graph): a worker process that loaded the tiny upscaler peaks at about 70 MiB RSS."""
+"""What an upscaler process holds beside weights and working memory on the CPU (Python, the
+runtime, the compute graph): a process that loaded the tiny upscaler peaks at about 70 MiB
+RSS. On a GPU the backend's context comes on top (hundreds of MiB on CUDA), unmeasured for
+the upscaler: there the seed's 512 MiB term counts instead, as for a model."""
 UPSCALE_TILE_BYTES_PER_PIXEL = {"direct": 1024, "im2col": 2048}
 """The runtime's working memory per output pixel of one tile, by convolution path: RRDBNet's
 64-feature maps and concatenations at the output size, plus im2col's 9x unrolled copy without
@@ -136,6 +138,7 @@ class UpscalerFacts:
     bytes: int
     scale: int
     tile_per_pixel: int = UPSCALE_TILE_BYTES_PER_PIXEL["im2col"]
+    overhead: int = memory.SEED_OVERHEAD
 
     def estimate(self, width: int, height: int, tile_size: int) -> int:
         """The peak memory of upscaling a width x height image in tiles of `tile_size` input
@@ -156,21 +159,31 @@ class UpscalerFacts:
         """What this upscaler adds inside a generation (a hires pass's model upscaler, loaded
         by the runtime for the call, on the first pass's width x height image): the estimate
         without the process's share, which the generation's estimate already counts."""
-        return self.estimate(width, height, tile_size) - UPSCALE_OVERHEAD
+        return self.estimate(width, height, tile_size) - self.overhead
 
     def resident(self) -> int:
         """What a loaded upscaler holds between jobs: its weights (the seed's quarter on top,
         as for models) and the process's share."""
-        return self.bytes + self.bytes // 4 + UPSCALE_OVERHEAD
+        return self.bytes + self.bytes // 4 + self.overhead
 
     def as_json(self) -> dict[str, Any]:
-        """The heartbeat's form: {bytes, scale, tile_per_pixel}."""
-        return {"bytes": self.bytes, "scale": self.scale, "tile_per_pixel": self.tile_per_pixel}
+        """The heartbeat's form: {bytes, scale, tile_per_pixel, overhead}."""
+        return {
+            "bytes": self.bytes,
+            "scale": self.scale,
+            "tile_per_pixel": self.tile_per_pixel,
+            "overhead": self.overhead,
+        }
 
     @classmethod
     def from_json(cls, doc: Mapping[str, Any]) -> UpscalerFacts:
         """The facts of a heartbeat's `upscalers` entry (ValueError when malformed)."""
-        return cls(int(doc["bytes"]), int(doc["scale"]), int(doc["tile_per_pixel"]))
+        return cls(
+            int(doc["bytes"]),
+            int(doc["scale"]),
+            int(doc["tile_per_pixel"]),
+            int(doc.get("overhead") or memory.SEED_OVERHEAD),
+        )
 
     @classmethod
     def cautious(cls, facts: list[UpscalerFacts]) -> UpscalerFacts:
@@ -180,13 +193,15 @@ class UpscalerFacts:
             max(f.bytes for f in facts),
             max(f.scale for f in facts),
             max(f.tile_per_pixel for f in facts),
+            max(f.overhead for f in facts),
         )
 
 
 def upscaler_facts(size: int, scale: int, device: str) -> UpscalerFacts:
     """The facts of an upscaler file of `size` bytes and `scale` on `device` (its name)."""
     path = "direct" if use_conv_direct(device) else "im2col"
-    return UpscalerFacts(int(size), int(scale), UPSCALE_TILE_BYTES_PER_PIXEL[path])
+    overhead = UPSCALE_OVERHEAD if device == "CPU" else memory.SEED_OVERHEAD
+    return UpscalerFacts(int(size), int(scale), UPSCALE_TILE_BYTES_PER_PIXEL[path], overhead)
 
 
 Facts = ModelFacts | UpscalerFacts

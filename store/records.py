@@ -87,7 +87,7 @@ HEARTBEAT_FIELDS = {
     "models": "{name: {bytes, native_size: [w, h], decode_per_pixel}} the models it can load",
     "bad_models": "{name: error} models in its folders that do not load",
     "loras": "{name: bytes} the LoRA files it can apply",
-    "upscalers": "{name: {bytes, scale, tile_per_pixel}} the upscalers it can load",
+    "upscalers": "{name: {bytes, scale, tile_per_pixel, overhead}} the upscalers it can load",
     "queue": "messages waiting in its Celery queue",
     "state": "idle, loading or busy",
     "current_job": "the job it runs, or null",

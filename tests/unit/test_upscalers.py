@@ -180,4 +180,6 @@ def test_the_estimate_grows_with_tiles_and_output() -> None:
     assert UpscalerFacts.from_json(facts.as_json()) == facts
     cpu, cuda = upscaler_facts(1000, 2, "CPU"), upscaler_facts(1000, 2, "CUDA0")
     assert cuda.tile_per_pixel > cpu.tile_per_pixel  # im2col without direct convolution
+    assert cuda.overhead > cpu.overhead  # a GPU backend's context: the seed's 512 MiB
     assert UpscalerFacts.cautious([cpu, cuda]) == cuda
+    assert cpu.working(64, 64, 0) == cpu.estimate(64, 64, 0) - cpu.overhead
