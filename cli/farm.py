@@ -278,7 +278,7 @@ def add_farm_commands(sub: Any) -> None:
     c.add_argument("--json", action="store_true")
     c.set_defaults(func=jobs.cmd_cancel)
 
-    m = sub.add_parser("models", help="the models the farm's workers can load")
+    m = sub.add_parser("models", help="the models and upscalers the farm's workers can load")
     _redis_arg(m)
     m.add_argument("--json", action="store_true")
     m.set_defaults(func=jobs.cmd_models)

@@ -17,6 +17,7 @@ from sdfarm.native.engine import Engine, LogConfig
 from sdfarm.native.loras import LoraCatalog, lora_dirs
 from sdfarm.native.params import GenerationParams, from_mapping, read_image_files, validate
 from sdfarm.native.png import png_bytes
+from sdfarm.native.upscalers import UpscalerCatalog, upscaler_dirs
 
 
 def params_from_args(args: argparse.Namespace) -> GenerationParams:
@@ -43,6 +44,8 @@ def generate_in_process(args: argparse.Namespace) -> dict[str, Any]:
     folders = [*model_dirs(args.models), *([model.directory.parent] if model.directory else [])]
     catalog = LoraCatalog(lora_dirs(dict.fromkeys(folders)))
     loras = {name: catalog.load(name) for name, _ in params.loras}
+    upscalers = UpscalerCatalog(upscaler_dirs(dict.fromkeys(folders)))
+    hires = {n: upscalers.load(n) for n in [params.hires_upscaler] if n}
     t0 = time.monotonic()
     engine = Engine.load(
         model,
@@ -54,7 +57,9 @@ def generate_in_process(args: argparse.Namespace) -> dict[str, Any]:
     load_s = time.monotonic() - t0
     records = engine.drain_load_records()
     try:
-        result = engine.generate(params, progress=_progress_printer(not args.json), loras=loras)
+        result = engine.generate(
+            params, progress=_progress_printer(not args.json), loras=loras, upscalers=hires
+        )
         if not args.json:
             print(file=sys.stderr)
         records += result.records

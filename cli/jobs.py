@@ -102,14 +102,17 @@ def cmd_cancel(args: argparse.Namespace) -> int:
 
 def cmd_models(args: argparse.Namespace) -> int:
     try:
-        models = _connect(_need_url(args)).models()
+        farm = _connect(_need_url(args))
+        models, upscalers = farm.models(), farm.upscalers()
     except Exception as exc:  # noqa: BLE001
         return _fail(args, exc)
     if args.json:
-        emit({"models": models})
+        emit({"models": models, "upscalers": upscalers})
     else:
         for m in models:
             print(m if isinstance(m, str) else m.get("name", m))
+        for u in upscalers:
+            print(f"{u['name']} (upscaler, x{u['scale']})")
     return 0
 
 

@@ -206,6 +206,9 @@ def build_parser() -> argparse.ArgumentParser:
     from sdfarm.cli.farm import add_farm_commands
 
     add_farm_commands(sub)
+    from sdfarm.cli.upscale import add_upscale_command
+
+    add_upscale_command(sub)
     return p
 
 

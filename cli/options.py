@@ -1,6 +1,7 @@
 """The command line's job flags, derived from the one job schema (sdfarm.native.params): each
 generation parameter and job option becomes `--name-with-dashes`, typed, with its help text
-and range. A new parameter gets its flag without an edit here."""
+and range; likewise each upscale parameter (sdfarm.native.upscale_params) for `sdfarm
+upscale`. A new parameter gets its flag without an edit here."""
 
 from __future__ import annotations
 
@@ -8,13 +9,14 @@ import argparse
 from typing import Any
 
 from sdfarm.native.params import OPTIONS, PARAMS, Param
+from sdfarm.native.upscale_params import UPSCALE_PARAMS
 
 
 def flag(p: Param) -> str:
     return "--" + p.name.replace("_", "-")
 
 
-def _add(parser: argparse.ArgumentParser, p: Param, default: Any) -> None:
+def _add(parser: argparse.ArgumentParser, p: Param, default: Any, required: bool = False) -> None:
     if p.kind == "bool":
         parser.add_argument(flag(p), action="store_true", default=default, help=p.help)
         return
@@ -41,6 +43,7 @@ def _add(parser: argparse.ArgumentParser, p: Param, default: Any) -> None:
         flag(p),
         type=p.python_type,
         default=default,
+        required=required,
         metavar=p.name.upper(),
         help=f"{p.help} ({p.range_text}{shown})",
     )
@@ -78,3 +81,17 @@ def given_options(args: argparse.Namespace) -> dict[str, Any]:
         for p in OPTIONS
         if getattr(args, p.name, None) not in (None, False, "")
     }
+
+
+def add_upscale_flags(parser: argparse.ArgumentParser) -> None:
+    """`sdfarm upscale`: the image as the positional argument, a flag per other upscale
+    parameter (sdfarm.native.upscale_params; a required one a required flag)."""
+    parser.add_argument("image", help=f"{UPSCALE_PARAMS[0].help}: {UPSCALE_PARAMS[0].range_text}")
+    for p in UPSCALE_PARAMS:
+        if p.kind != "image":
+            _add(parser, p, None if p.required else p.default, required=p.required)
+
+
+def given_upscale(args: argparse.Namespace) -> dict[str, Any]:
+    """The upscale parameters from their flags and the positional image (a path)."""
+    return {p.name: getattr(args, p.name) for p in UPSCALE_PARAMS}

@@ -1,5 +1,5 @@
 """The Python client: `Farm(redis_url).submit(model, prompt, ...) -> Job`, `farm.map(prompts)`
-for batches.
+for batches, `farm.upscale(image, upscaler) -> Job` for an upscale.
 
 A client talks to Redis only, through `sdfarm.store` (submit, wait, cancel); it never needs
 the scheduler to answer it. Parameters are validated here with the engine's own rules
@@ -29,7 +29,9 @@ from sdfarm.client.errors import (
     UnknownModelError,
 )
 from sdfarm.client.job import DEADLINE_GRACE_S, WAIT_SLICE_S, Job, Result
+from sdfarm.native import upscale_params
 from sdfarm.native.errors import InvalidParameterError
+from sdfarm.native.estimate import UpscalerFacts
 from sdfarm.native.params import (
     NAMES,
     OPTION_NAMES,
@@ -47,11 +49,13 @@ from sdfarm.scheduler.registry import (
     Registry,
     farm_loras,
     farm_models,
+    farm_upscalers,
     heartbeat_models,
+    heartbeat_upscalers,
     model_facts,
 )
 from sdfarm.store import JobSpec, Store
-from sdfarm.store.records import new_job_id
+from sdfarm.store.records import new_job_id, upscaler_key
 from sdfarm.store.retry import BUDGET_S, retry_transient
 
 __all__ = [
@@ -184,6 +188,8 @@ class Farm:
             raise InvalidParameterError("model", "give a model name")
         self._check_model(spec.model)
         self._check_loras([str(pair[0]) for pair in spec.params.get("loras") or []])
+        if spec.params.get("hires_upscaler"):
+            self._upscaler_facts(str(spec.params["hires_upscaler"]), "hires_upscaler")
         job_id = new_job_id()  # the same id on every try: a retry never queues twice
         try:
             queued, depth, limit = self.retry(
@@ -218,6 +224,66 @@ class Farm:
                 raise InvalidParameterError(
                     "loras", f"unknown LoRA {missing[0]!r}; the farm has {known}"
                 )
+
+    def upscale(
+        self,
+        image: bytes | str | os.PathLike[str],
+        upscaler: str,
+        *,
+        owner: str = "",
+        **fields: Any,
+    ) -> Job:
+        """Queue one upscale of `image` (bytes or a file path) by `upscaler` (a name in the
+        farm's upscalers/ folders); the job's result is the upscaled PNG. `fields` are the
+        other upscale parameters (sdfarm.native.upscale_params: factor, tile_size) and the job
+        options. InvalidParameterError before anything is queued (an unknown name, a bad
+        image, factor or tile size, an upscaler no live worker has included); FarmBusyError
+        at the queue limit."""
+        options = {k: fields.pop(k) for k in OPTION_NAMES if k in fields}
+        values = {"image": image, "upscaler": upscaler, **fields}
+        params = upscale_params.validate(
+            upscale_params.from_mapping(upscale_params.read_image_file(values))
+        )
+        self._check_upscaler(params)
+        opts = check_options(JobOptions(**options))
+        doc, inputs = upscale_params.detach(params)
+        spec = JobSpec(
+            model=upscaler_key(params.upscaler), params=doc, kind="upscale", owner=owner,
+            **asdict(opts),
+        )  # fmt: skip
+        return self.submit_spec(replace(spec, submitter=opts.submitter or self.submitter), inputs)
+
+    def _check_upscaler(self, params: upscale_params.UpscaleParams) -> None:
+        """InvalidParameterError naming an upscaler no live worker has, or a factor that is
+        not its scale."""
+        facts = self._upscaler_facts(params.upscaler, "upscaler")
+        if facts is not None:
+            upscale_params.check_against(params, facts.scale)
+
+    def _upscaler_facts(self, name: str, parameter: str) -> UpscalerFacts | None:
+        """The facts of upscaler `name`; InvalidParameterError naming `parameter` when live
+        workers are up and none has it (after a fresh look); None with no worker up (the job
+        waits for one)."""
+        facts = model_facts(self._heartbeats(), upscaler_key(name))
+        if facts is None and self._heartbeats(fresh=True):
+            facts = model_facts(self._heartbeats(), upscaler_key(name))
+            if facts is None:
+                have = ", ".join(farm_upscalers(self._heartbeats())) or "none"
+                raise InvalidParameterError(
+                    parameter, f"unknown upscaler {name!r}; the farm has {have}"
+                )
+        return facts if isinstance(facts, UpscalerFacts) else None
+
+    def upscalers(self) -> list[dict[str, Any]]:
+        """Every upscaler some live worker can load: name, bytes, scale and the devices."""
+        hbs = self._heartbeats(fresh=True)
+        out = []
+        for name in farm_upscalers(hbs):
+            facts = model_facts(hbs, upscaler_key(name))
+            assert isinstance(facts, UpscalerFacts)
+            have = [k for k, hb in sorted(hbs.items()) if name in heartbeat_upscalers(hb)]
+            out.append({"name": name, "bytes": facts.bytes, "scale": facts.scale, "devices": have})
+        return out
 
     def job(self, job_id: str) -> Job:
         return Job(self, job_id)

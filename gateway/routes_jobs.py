@@ -1,4 +1,5 @@
-"""The jobs API: `POST /v1/jobs` queues a job and answers at once (202), then
+"""The jobs API: `POST /v1/jobs` queues a job (`POST /v1/upscale` an upscale) and answers at
+once (202), then
 `GET /v1/jobs/{id}` (its record), `/image.png` (an image, by token or signed URL),
 `/events` (server-sent events until it ends) and `DELETE` (cancel).
 
@@ -20,7 +21,15 @@ from fastapi.responses import Response, StreamingResponse
 from sdfarm.client.farm import Farm, Job
 from sdfarm.gateway.auth import OPEN, Caller, caller, gate, job_quota, require_token
 from sdfarm.gateway.errors import APIError, _errors, _farm_error, scrub_paths
-from sdfarm.gateway.schemas import JobRequest, body_doc, json_body, parse, submit_args
+from sdfarm.gateway.schemas import (
+    JobRequest,
+    UpscaleRequest,
+    body_doc,
+    json_body,
+    parse,
+    submit_args,
+    upscale_args,
+)
 from sdfarm.gateway.sse import stream
 
 router = APIRouter()
@@ -64,6 +73,38 @@ def create_job(request: Request, body: Any = Depends(json_body)) -> Any:  # noqa
     return {"id": job.id, "state": "queued"}
 
 
+@router.post(
+    "/v1/upscale",
+    status_code=202,
+    dependencies=[Depends(require_token)],
+    responses=_errors(400, 401, 404, 413, 429, 503),
+    openapi_extra=body_doc(UpscaleRequest),
+)
+def create_upscale(request: Request, body: Any = Depends(json_body)) -> Any:  # noqa: B008
+    """An upscale job, queued like `POST /v1/jobs`: its result is read the same way
+    (`GET /v1/jobs/{id}`, `/image.png`, `/events`), by the same owner."""
+    values = upscale_args(parse(UpscaleRequest, body).model_dump())
+    try:
+        job = request.app.state.farm.upscale(
+            values.pop("image"), values.pop("upscaler"), owner=caller(request).owner, **values
+        )
+    except Exception as exc:  # noqa: BLE001
+        raise _farm_error(exc) from None
+    request.app.state.recent.add(job.id)
+    return {"id": job.id, "state": "queued"}
+
+
+@router.get("/v1/upscalers", dependencies=[Depends(require_token)], responses=_errors(401, 503))
+def list_upscalers(request: Request) -> Any:
+    """The upscalers some live worker can load: name, bytes and scale (the only factor each
+    makes); no paths, no devices."""
+    try:
+        found = request.app.state.farm.upscalers()
+    except Exception as exc:  # noqa: BLE001
+        raise _farm_error(exc) from None
+    return {"data": [{k: u[k] for k in ("name", "bytes", "scale")} for u in found]}
+
+
 @router.get(
     "/v1/jobs/{job_id}", dependencies=[Depends(require_token)], responses=_errors(401, 404, 503)
 )
@@ -76,6 +117,7 @@ def get_job(request: Request, job_id: str) -> Any:
         "id": job_id,
         "state": rec.get("state", ""),
         "model": rec.get("model", ""),
+        "kind": rec.get("kind") or "generate",
         "submitter": rec.get("submitter", ""),
         "priority": int(rec.get("priority") or 0),
         "params": spec.get("params", {}),

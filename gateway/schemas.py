@@ -1,7 +1,9 @@
-"""The gateway's request bodies, derived from the job schema (sdfarm.native.params).
+"""The gateway's request bodies, derived from the job schema (sdfarm.native.params) and the
+upscale job's (sdfarm.native.upscale_params).
 
 No parameter is listed here: `JobRequest` and `ImagesRequest` are built with
-`pydantic.create_model` from `PARAMS` (and the options priority and submitter from `OPTIONS`),
+`pydantic.create_model` from `PARAMS`, `UpscaleRequest` from `UPSCALE_PARAMS` (and each takes
+the options priority and submitter from `OPTIONS`),
 so a new generation parameter reaches both endpoints and the OpenAPI document with no change
 here. Pydantic checks the types only; the ranges are `Param.check`'s (run by `Farm.submit`), so
 a bad value gets the one error text every door gives, and they are written into the JSON
@@ -22,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 from sdfarm.gateway.errors import APIError, validation_error
 from sdfarm.native.errors import InvalidParameterError
 from sdfarm.native.params import BY_NAME, IMAGE_PARAMS, OPTIONS, PARAMS, Param
+from sdfarm.native.upscale_params import UPSCALE_PARAMS
 
 CARRIED = ("width", "height", "batch_count")
 """The parameters OpenAI's request carries in `size` and `n`."""
@@ -66,6 +69,8 @@ def _field(p: Param, *, help: str | None = None, nullable: bool = False) -> Any:
         return (list[Any], Field([], description=text, json_schema_extra=rules))
     if p.kind in ("image", "images"):  # over JSON, an image is base64 (or a data: URL)
         text = f"{help or p.help} ({p.range_text}), base64"
+        if p.required:
+            return (str, Field(..., description=text, json_schema_extra=rules))
         kind: Any = str | None if p.kind == "image" else list[str]
         return (kind, Field(p.default if p.kind == "image" else [], description=text,
                             json_schema_extra=rules))  # fmt: skip
@@ -137,6 +142,27 @@ EditRequest: type[BaseModel] = create_model(
     },
     priority=_option("priority"),
 )
+
+
+UpscaleRequest: type[BaseModel] = create_model(
+    "UpscaleRequest",
+    __config__=ConfigDict(extra="forbid"),
+    __doc__="One upscale: the image (base64), the upscaler, the upscale parameters and the job "
+    "options.",
+    **{p.name: _field(p) for p in UPSCALE_PARAMS},
+    priority=_option("priority"),
+    submitter=_option("submitter", help="the name fair share counts the job for"),
+)
+
+
+def upscale_args(values: dict[str, Any]) -> dict[str, Any]:
+    """The keyword arguments of Farm.upscale of a parsed UpscaleRequest's values: the image
+    decoded, the gateway's submitter by default."""
+    values = dict(values)
+    if values.get("submitter") is None:
+        values["submitter"] = DEFAULT_SUBMITTER
+    values["image"] = decode_image("image", values["image"])
+    return values
 
 
 def parse_size(size: str) -> tuple[int, int]:

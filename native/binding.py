@@ -73,15 +73,18 @@ typedef struct {
 } sd_tiling_params_t;
 enum sd_cache_mode_t { SD_CACHE_DISABLED, ... };
 typedef struct { enum sd_cache_mode_t mode; ...; } sd_cache_params_t;
-enum sd_hires_upscaler_t { SD_HIRES_UPSCALER_NONE, SD_HIRES_UPSCALER_LATENT, ... };
+enum sd_hires_upscaler_t { SD_HIRES_UPSCALER_NONE, SD_HIRES_UPSCALER_LATENT,
+                           SD_HIRES_UPSCALER_MODEL, ... };
 typedef struct {
     bool enabled;
     enum sd_hires_upscaler_t upscaler;
+    const char* model_path;
     float scale;
     int target_width;
     int target_height;
     int steps;
     float denoising_strength;
+    int upscale_tile_size;
     ...;
 } sd_hires_params_t;
 typedef struct {
@@ -105,6 +108,13 @@ typedef struct {
     sd_hires_params_t hires;
     ...;
 } sd_img_gen_params_t;
+
+typedef struct upscaler_ctx_t upscaler_ctx_t;
+upscaler_ctx_t* new_upscaler_ctx(const char* esrgan_path, bool offload_params_to_cpu, bool direct,
+                                 int n_threads, int tile_size);
+void free_upscaler_ctx(upscaler_ctx_t* upscaler_ctx);
+sd_image_t upscale(upscaler_ctx_t* upscaler_ctx, sd_image_t input_image, uint32_t upscale_factor);
+int get_upscale_factor(upscaler_ctx_t* upscaler_ctx);
 
 void sd_ctx_params_init(sd_ctx_params_t* sd_ctx_params);
 sd_ctx_t* new_sd_ctx(const sd_ctx_params_t* sd_ctx_params);

@@ -17,6 +17,9 @@ from sdfarm.native.model import Model
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 LORAS_FOLDER = "loras"
 """A models directory's folder of LoRA files (sdfarm.native.loras): not a model."""
+UPSCALERS_FOLDER = "upscalers"
+"""A models directory's folder of upscaler files (sdfarm.native.upscalers): not a model."""
+ASSET_FOLDERS = (LORAS_FOLDER, UPSCALERS_FOLDER)
 
 
 def model_dirs(given: Iterable[str | os.PathLike[str]] = ()) -> list[Path]:
@@ -42,14 +45,14 @@ class Catalog:
                 found.update(
                     p.name
                     for p in d.iterdir()
-                    if p.is_dir() and NAME.match(p.name) and p.name != LORAS_FOLDER
+                    if p.is_dir() and NAME.match(p.name) and p.name not in ASSET_FOLDERS
                 )
         return sorted(found)
 
     def path(self, name: str) -> Path:
         """The folder of model `name`; ModelLoadError when the name is not a plain name or no
         directory holds it."""
-        if not isinstance(name, str) or not NAME.match(name) or name == LORAS_FOLDER:
+        if not isinstance(name, str) or not NAME.match(name) or name in ASSET_FOLDERS:
             raise ModelLoadError(f"invalid model name {name!r}: use letters, digits, '.', '_', '-'")
         for d in self.dirs:
             candidate = (d / name).resolve()

@@ -34,15 +34,22 @@ from sdfarm.native.errors import (
     ModelLoadError,
     ModelTooLargeError,
 )
-from sdfarm.native.estimate import VAE_TILE_LATENT, ModelFacts, model_facts, use_vae_conv_direct
+from sdfarm.native.estimate import (
+    VAE_TILE_LATENT,
+    ModelFacts,
+    model_facts,
+    upscaler_facts,
+    use_vae_conv_direct,
+)
 from sdfarm.native.fitplan import FitPlan, plan_fit
 from sdfarm.native.loras import LoraFile
 from sdfarm.native.model import Model
 from sdfarm.native.params import STEP_CACHES, GenerationParams, validate
 from sdfarm.native.preview import Preview, PreviewSlot, mode_for
-from sdfarm.native.ring import LogRing
+from sdfarm.native.ring import NATIVE_LOCK, LogRing
 from sdfarm.native.roles import ROLE_PARAMS
 from sdfarm.native.tiling import TilingPlan, plan_tiling
+from sdfarm.native.upscalers import UpscalerFile
 
 WARMUP = GenerationParams(prompt="warm-up", width=64, height=64, steps=1, seed=1)
 
@@ -107,7 +114,7 @@ class Engine:
     """A model loaded into the runtime. Not thread-safe: one caller at a time (the worker
     gives each engine its own process)."""
 
-    _native_lock = threading.Lock()  # the runtime's callbacks and log ring are process-wide
+    _native_lock = NATIVE_LOCK  # the runtime's callbacks and log ring are process-wide
 
     def __init__(self) -> None:
         raise TypeError("use Engine.load(model, ...)")
@@ -142,18 +149,10 @@ class Engine:
         self.native_calls = 0  # generate/load calls into the runtime (tests assert on it)
         self.last_call: dict[str, Any] = {}  # the last generation's parameters, read back
         self._lora_paths: dict[str, Path] = {}
+        self._hires_path: Path | None = None
 
-        if figures is None:
-            from sdfarm.native.probe import read_host_figures
-
-            figs = read_host_figures(backend)
-        else:
-            figs = figures() if callable(figures) else figures
+        figs, planned = host_device(figures, backend, device, pinned)
         w, h = self.model.native_size
-        try:
-            planned = choose_compute_device(figs, pinned or device)
-        except ValueError:
-            planned = _fallback_device(figs)
         self.facts: ModelFacts = model_facts(self.model, planned)
         estimate = self.facts.resident()
         verdict = memory.check_memory(estimate, figs, device, pinned=pinned, enabled=check_memory)
@@ -284,6 +283,12 @@ class Engine:
             g.hires.target_width, g.hires.target_height = params.final_size
             g.hires.steps = params.hires_steps
             g.hires.denoising_strength = params.hires_strength
+            if self._hires_path is not None:
+                path = self._ffi.new("char[]", str(self._hires_path).encode())
+                keep.append(path)
+                g.hires.upscaler = lib.SD_HIRES_UPSCALER_MODEL
+                g.hires.model_path = path
+        g.hires.upscale_tile_size = params.hires_tile_size
         keep += self._set_loras(g, params)
         if tiled:
             # A tile of VAE_TILE_LATENT latent cells a side, the runtime's own overlap.
@@ -416,6 +421,10 @@ class Engine:
             "hires_steps": g.hires.steps,
             "hires_strength": g.hires.denoising_strength,
             "hires_size": f"{g.hires.target_width}x{g.hires.target_height}",
+            "hires_upscaler": Path(ffi.string(g.hires.model_path).decode()).stem
+            if g.hires.upscaler == lib.SD_HIRES_UPSCALER_MODEL
+            else "",
+            "hires_tile_size": g.hires.upscale_tile_size,
             "step_cache": STEP_CACHES[g.cache.mode],
             "vae_tiling": "on" if g.vae_tiling_params.enabled else "off",
             "vae_tile_size": [g.vae_tiling_params.tile_size_x, g.vae_tiling_params.tile_size_y],
@@ -466,18 +475,20 @@ class Engine:
         estimate: int | None = None,
         loras: Mapping[str, LoraFile] | None = None,
         tiling: TilingPlan | None = None,
+        upscalers: Mapping[str, UpscalerFile] | None = None,
         **kwargs: Any,
     ) -> GenerationResult:
         """Generate `params` (or keyword arguments of GenerationParams). `log` overrides the
         engine's log settings for this call (a farm's jobs each choose their level and whether
         prompts stay in records). `estimate` is the job's estimate as the scheduler placed it
         (sdfarm.native.estimate); without it the engine makes it from its own facts. `loras`
-        are the checked files (sdfarm.native.loras) of the LoRAs `params` names. `tiling` is
-        the plan the scheduler placed the job with (sdfarm.native.tiling); without it the
-        engine plans from its own figure (`tiling_plan`). With `params.preview_every` set,
-        `preview` gets each new preview (sdfarm.native.preview) from the same watcher thread
-        as `progress`, never from the runtime's; without a `preview` callback none is made
-        (each costs a decode). Raises
+        are the checked files (sdfarm.native.loras) of the LoRAs `params` names, `upscalers`
+        that of its hires_upscaler (sdfarm.native.upscalers). `tiling` is the plan the
+        scheduler placed the job with (sdfarm.native.tiling); without it the engine plans from
+        its own figure (`tiling_plan`). With `params.preview_every` set, `preview` gets each
+        new preview (sdfarm.native.preview) from the same watcher thread as `progress`, never
+        from the runtime's; without a `preview` callback none is made (each costs a decode).
+        Raises
         InvalidParameterError before any native call, ModelTooLargeError when the estimate
         at the requested size exceeds what refuses a load, GenerationError quoting the
         runtime's error records."""
@@ -487,7 +498,8 @@ class Engine:
             raise TypeError("pass GenerationParams or keyword arguments, not both")
         self._check_usable()
         params = validate(params)
-        if params.encodes and not self.model.can_encode:
+        hires_bytes = self._hires_upscaler(params, upscalers or {})
+        if params.init_image is not None and not self.model.can_encode:
             raise InvalidParameterError(
                 "init_image",
                 f"model {self.model.name!r} cannot encode an image (img2img, inpainting): its "
@@ -500,11 +512,13 @@ class Engine:
         self._lora_paths = {name: files[name].path for name, _ in params.loras}
         lora_bytes = sum(files[name].size for name, _ in params.loras)
         if tiling is None:
-            tiling = self.tiling_plan(params, lora_bytes)
+            tiling = self.tiling_plan(params, lora_bytes + hires_bytes)
         size_estimate = estimate or tiling.estimate
         limit = self._verdict.refuse_figure
         if self._verdict.action != "skip" and limit is not None and size_estimate > limit:
-            tiled = self.estimate_for(*params.final_size, params.encodes, lora_bytes, tiled=True)
+            tiled = self.estimate_for(
+                *params.final_size, params.encodes, lora_bytes + hires_bytes, tiled=True
+            )
             hint = (
                 f". Decoded in tiles (vae_tiling auto or on) it would need "
                 f"{memory.format_bytes(tiled)}"
@@ -523,6 +537,8 @@ class Engine:
             )
         cfg = log or self._log
         lora_labels = {str(path): f"<lora {name} file>" for name, path in self._lora_paths.items()}
+        if self._hires_path is not None:
+            lora_labels[str(self._hires_path)] = f"<upscaler {params.hires_upscaler} file>"
         scrub = logs.Scrubber(
             {**self._path_roles, **lora_labels},
             (params.prompt, params.negative_prompt),
@@ -538,8 +554,7 @@ class Engine:
         records = self._take_records(raw, cfg)
         if not images:
             errors = [r.message for r in raw if r.level == "error"]
-            if any("out of memory" in e.lower() or "device lost" in e.lower() for e in errors):
-                self._poisoned = "; ".join(errors)
+            self._poisoned = poison_reason(errors)
             raise GenerationError(
                 "the runtime returned no image"
                 + (": " + "; ".join(errors) if errors else " and logged no error"),
@@ -564,6 +579,28 @@ class Engine:
             "timings": {"generate_s": round(seconds, 4)},
         }
         return GenerationResult(images, params, metadata, records)
+
+    def _hires_upscaler(self, params: GenerationParams, files: Mapping[str, UpscalerFile]) -> int:
+        """Check the hires pass's model upscaler and keep its file for the call; the bytes it
+        adds to the estimate (`UpscalerFacts.working`). The runtime decodes the first pass,
+        upscales the image and encodes it again, so the model needs its encoder."""
+        self._hires_path = None
+        if not params.hires_upscaler:
+            return 0
+        if not self.model.can_encode:
+            raise InvalidParameterError(
+                "hires_upscaler",
+                f"model {self.model.name!r} cannot encode the upscaled image: its VAE or TAESD "
+                "has no encoder (use the latent upscale: no hires_upscaler)",
+            )
+        file = files.get(params.hires_upscaler)
+        if file is None:
+            raise InvalidParameterError(
+                "hires_upscaler", f"unknown upscaler {params.hires_upscaler!r}"
+            )
+        self._hires_path = file.path
+        facts = upscaler_facts(file.size, file.scale, self.capabilities_device)
+        return facts.working(params.width, params.height, params.hires_tile_size)
 
     def estimate_for(
         self,
@@ -655,6 +692,14 @@ def lora_apply_mode() -> int:
     return LORA_APPLY_MODES.index(forced) if forced in LORA_APPLY_MODES else 2
 
 
+def poison_reason(errors: list[str]) -> str | None:
+    """Why a failed native call leaves the runtime unusable (out of memory, a lost device:
+    the backend's state is not to be trusted), or None when the next call may run."""
+    if any("out of memory" in e.lower() or "device lost" in e.lower() for e in errors):
+        return "; ".join(errors)
+    return None
+
+
 def _shape(img: Any, ffi: Any) -> str | None:
     """An sd_image_t as the native call sees it: "WxHxC", or None without pixels."""
     return None if img.data == ffi.NULL else f"{img.width}x{img.height}x{img.channel}"
@@ -665,6 +710,26 @@ def _image_size(data: bytes) -> tuple[int, int]:
 
     with Image.open(io.BytesIO(data), formats=images.FORMATS) as im:
         return im.size
+
+
+def host_device(
+    figures: HostFigures | Callable[[], HostFigures] | None,
+    backend: str | None,
+    device: str,
+    pinned: str | None,
+) -> tuple[HostFigures, Device]:
+    """The host's figures (injected, or read in a short-lived subprocess) and the device a
+    load plans for: the pinned one, else the choice `device`, else the CPU."""
+    if figures is None:
+        from sdfarm.native.probe import read_host_figures
+
+        figs = read_host_figures(backend)
+    else:
+        figs = figures() if callable(figures) else figures
+    try:
+        return figs, choose_compute_device(figs, pinned or device)
+    except ValueError:
+        return figs, _fallback_device(figs)
 
 
 def _fallback_device(figs: HostFigures) -> Device:

@@ -112,6 +112,16 @@ def model_facts(model: Any, device: Device) -> ModelFacts:
     )
 
 
+def use_conv_direct(device: str) -> bool:
+    """Direct convolution (no im2col buffer) everywhere but CUDA, where ggml's direct
+    convolution is several times slower (see use_vae_conv_direct). `SDFARM_VAE_CONV_DIRECT=0|1`
+    overrides, for measurements."""
+    forced = os.environ.get("SDFARM_VAE_CONV_DIRECT")
+    if forced in ("0", "1"):
+        return forced == "1"
+    return not device.startswith("CUDA")
+
+
 def use_vae_conv_direct(roles: Mapping[str, object], device: str) -> bool:
     """Direct VAE convolution keeps the full VAE's decode inside the estimate on the CPU
     (facts: 3.14 vs 4.06 GiB at 512x512) and costs nothing on Vulkan (0.30 s per 512x512
@@ -122,7 +132,7 @@ def use_vae_conv_direct(roles: Mapping[str, object], device: str) -> bool:
     forced = os.environ.get("SDFARM_VAE_CONV_DIRECT")
     if forced in ("0", "1"):
         return forced == "1"
-    return "taesd" not in roles and not device.startswith("CUDA")
+    return "taesd" not in roles and use_conv_direct(device)
 
 
 def decode_bytes_per_pixel(roles: Mapping[str, object], device: Device) -> int:
@@ -131,3 +141,115 @@ def decode_bytes_per_pixel(roles: Mapping[str, object], device: Device) -> int:
     if device.type == "cpu" or "taesd" in roles or use_vae_conv_direct(roles, device.name):
         return 0
     return memory.IM2COL_DECODE_BYTES_PER_PIXEL
+
+
+# -- upscalers (sdfarm.native.upscale) ---------------------------------------------------------
+
+UPSCALE_OVERHEAD = 128 * memory.MiB
+"""What an upscaler process holds beside weights and working memory on the CPU (Python, the
+runtime, the compute graph): a process that loaded the tiny upscaler peaks at about 70 MiB
+RSS. On a GPU the backend's context comes on top (hundreds of MiB on CUDA), unmeasured for
+the upscaler: there the seed's 512 MiB term counts instead, as for a model."""
+UPSCALE_TILE_BYTES_PER_PIXEL = {"direct": 1024, "im2col": 2048}
+"""The runtime's working memory per output pixel of one tile, by convolution path: RRDBNet's
+64-feature maps and concatenations at the output size, plus im2col's 9x unrolled copy without
+direct convolution (bench/upscale_memory.py measured about 0.7 and 1.5 KiB on the CPU)."""
+UPSCALE_IMAGE_BYTES_PER_PIXEL = 64
+"""Per output pixel of the whole image: the runtime's float output tensor (12 bytes), its
+8-bit image, Python's copy, Pillow's image and the PNG encoder's buffers."""
+
+
+@dataclass(frozen=True)
+class UpscalerFacts:
+    """What an upscaler job's estimate needs: the file's bytes, the model's scale and the
+    working memory per tile output pixel on this device."""
+
+    bytes: int
+    scale: int
+    tile_per_pixel: int = UPSCALE_TILE_BYTES_PER_PIXEL["im2col"]
+    overhead: int = memory.SEED_OVERHEAD
+
+    def estimate(self, width: int, height: int, tile_size: int) -> int:
+        """The peak memory of upscaling a width x height image in tiles of `tile_size` input
+        pixels a side (0: the whole image in one go). The runtime runs the network on one
+        tile at a time and keeps the whole output as floats: a tile's working memory plus
+        the output's. When the image exceeds a tile on either side the runtime works in
+        full tiles, so a tile counts tile_size squared."""
+        w, h, s = int(width), int(height), self.scale
+        tiled = tile_size > 0 and (w > tile_size or h > tile_size)
+        tile_pixels = (tile_size * tile_size if tiled else w * h) * s * s
+        return (
+            self.resident()
+            + tile_pixels * self.tile_per_pixel
+            + w * h * s * s * UPSCALE_IMAGE_BYTES_PER_PIXEL
+        )
+
+    def working(self, width: int, height: int, tile_size: int) -> int:
+        """What this upscaler adds inside a generation (a hires pass's model upscaler, loaded
+        by the runtime for the call, on the first pass's width x height image): the estimate
+        without the process's share, which the generation's estimate already counts."""
+        return self.estimate(width, height, tile_size) - self.overhead
+
+    def resident(self) -> int:
+        """What a loaded upscaler holds between jobs: its weights (the seed's quarter on top,
+        as for models) and the process's share."""
+        return self.bytes + self.bytes // 4 + self.overhead
+
+    def as_json(self) -> dict[str, Any]:
+        """The heartbeat's form: {bytes, scale, tile_per_pixel, overhead}."""
+        return {
+            "bytes": self.bytes,
+            "scale": self.scale,
+            "tile_per_pixel": self.tile_per_pixel,
+            "overhead": self.overhead,
+        }
+
+    @classmethod
+    def from_json(cls, doc: Mapping[str, Any]) -> UpscalerFacts:
+        """The facts of a heartbeat's `upscalers` entry (ValueError when malformed)."""
+        return cls(
+            int(doc["bytes"]),
+            int(doc["scale"]),
+            int(doc["tile_per_pixel"]),
+            int(doc.get("overhead") or memory.SEED_OVERHEAD),
+        )
+
+    @classmethod
+    def cautious(cls, facts: list[UpscalerFacts]) -> UpscalerFacts:
+        """One set of facts valid on every device that reported one (largest of each). The
+        scale of one name should agree everywhere; the largest counts when copies differ."""
+        return cls(
+            max(f.bytes for f in facts),
+            max(f.scale for f in facts),
+            max(f.tile_per_pixel for f in facts),
+            max(f.overhead for f in facts),
+        )
+
+
+def upscaler_facts(size: int, scale: int, device: str) -> UpscalerFacts:
+    """The facts of an upscaler file of `size` bytes and `scale` on `device` (its name)."""
+    path = "direct" if use_conv_direct(device) else "im2col"
+    overhead = UPSCALE_OVERHEAD if device == "CPU" else memory.SEED_OVERHEAD
+    return UpscalerFacts(int(size), int(scale), UPSCALE_TILE_BYTES_PER_PIXEL[path], overhead)
+
+
+Facts = ModelFacts | UpscalerFacts
+"""What an engine's job estimates are made from: a model's facts or an upscaler's."""
+
+
+def job_estimate(
+    facts: Facts,
+    width: int,
+    height: int,
+    *,
+    encodes: bool = False,
+    extra_bytes: int = 0,
+    tile_size: int = 0,
+    tiled: bool = False,
+) -> int:
+    """A job's estimate from its engine's facts: a generation's size (and input image and
+    LoRA files; `tiled`: its VAE decoding in tiles), or an upscale's input size and tile size.
+    What the scheduler places by."""
+    if isinstance(facts, UpscalerFacts):
+        return facts.estimate(width, height, tile_size)
+    return facts.estimate(width, height, encodes, extra_bytes, tiled=tiled)

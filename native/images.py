@@ -73,6 +73,25 @@ def check_image(name: str, data: Any) -> bytes:
     return data
 
 
+def size(data: bytes) -> tuple[int, int]:
+    """(width, height) of an image that passed `check_image`, from its header."""
+    from PIL import Image
+
+    with Image.open(io.BytesIO(data), formats=FORMATS) as im:
+        return im.size
+
+
+def rgb(data: bytes) -> tuple[bytes, int, int, bool]:
+    """An image as the upscaler reads it, at its own size: 8-bit RGB pixels, width, height,
+    and whether an alpha channel was dropped (the runtime upscales three channels)."""
+    from PIL import Image
+
+    with Image.open(io.BytesIO(data), formats=FORMATS) as im:
+        alpha = "A" in im.getbands() or "transparency" in im.info
+        im = im.convert("RGB")
+        return im.tobytes(), im.width, im.height, alpha
+
+
 def pixels(data: bytes, width: int, height: int, mask: bool = False) -> tuple[bytes, bool]:
     """The image as the runtime reads it: 8-bit RGB (a mask: one channel, L) of exactly
     width x height, and whether it had to be resized."""

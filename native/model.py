@@ -27,6 +27,7 @@ from .roles import (
     ROLE_COMPONENTS,
     ROLE_PARAMS,
     ROLES,
+    UPSCALER,
     detect_role,
     detect_role_with_evidence,
     native_size_for,
@@ -87,10 +88,10 @@ class Model:
         replacer that goes in order never leaves half a path behind."""
         pairs: dict[str, str] = {}
         for role, mf in self.files.items():
-            for p in _path_variants(mf.path):
+            for p in path_variants(mf.path):
                 pairs[p] = f"<{role} file>"
         if self.directory is not None:
-            for p in _path_variants(self.directory):
+            for p in path_variants(self.directory):
                 pairs.setdefault(p, "<model dir>")
         return dict(sorted(pairs.items(), key=lambda kv: -len(kv[0])))
 
@@ -184,7 +185,7 @@ def _abs_or_none(p: str | os.PathLike[str] | None) -> Path | None:
     return None if p is None else Path(p).absolute()
 
 
-def _path_variants(p: Path) -> list[str]:
+def path_variants(p: Path) -> list[str]:
     """The path as given and as resolved (symlinks), since either may reach a log line."""
     out = [str(p)]
     try:
@@ -272,6 +273,12 @@ def _detect_files(folder: Path) -> dict[str, Path]:
     for p in candidates:
         header = validate_header(p)
         role = detect_role(header)
+        if role == UPSCALER:
+            raise ModelLoadError(
+                f"model file {p.name} in model {folder.name} is an upscaler (ESRGAN), not part "
+                "of a model: put it in the models directory's upscalers/ folder",
+                role=role,
+            )
         if role is None:
             shown = ", ".join(list(header.tensors)[:3]) or "no tensors"
             raise ModelLoadError(

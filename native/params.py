@@ -127,6 +127,10 @@ STEP_CACHES = ("off", "easycache", "ucache", "dbcache", "taylorseer", "cache_dit
 MAX_LORA_WEIGHT = 10.0
 VAE_TILING = ("auto", "on", "off")
 """The values of `vae_tiling` (sdfarm.native.tiling.CHOICES)."""
+# Upscaler tiles (sdfarm.native.upscale_params): input pixels a side. Tiles below 32 pixels run
+# but cost many times the time (a 40x40 image in 1-pixel tiles took 20 s against 0.1 s).
+MIN_TILE, MAX_TILE, DEFAULT_TILE = 32, 1024, 128
+WHOLE_IMAGE = "the whole image at once, the most memory"
 
 
 @dataclass(frozen=True)
@@ -148,6 +152,7 @@ class Param:
     unit: str = ""
     choices: tuple[str, ...] = ()
     auto: int | None = None
+    auto_text: str = ""  # what `auto` means, when not "pick one"
     max_chars: int | None = None
     max_bytes: int | None = None
     limit_why: str = ""
@@ -193,7 +198,8 @@ class Param:
         if self.step:
             text += f", a multiple of {self.step}"
         if self.auto is not None:
-            text += f"; {self.auto} picks one"
+            means = f": {self.auto_text}" if self.auto_text else " picks one"
+            text += f"; {self.auto}{means}"
         return text
 
     def check(self, value: Any) -> Any:
@@ -234,6 +240,8 @@ class Param:
             return number
         if not self.lo <= number <= self.hi:  # type: ignore[operator]
             hint = f" (or {self.auto} for a random {self.name})" if self.auto is not None else ""
+            if self.auto_text:
+                hint = f" (or {self.auto}: {self.auto_text})"
             raise InvalidParameterError(
                 self.name, f"{number} is outside {_num(self.lo)}..{_num(self.hi)}{self.unit}{hint}"
             )
@@ -313,6 +321,15 @@ class GenerationParams:
     hires_strength: float = param(
         "float", 0.7, "how much the high-resolution pass redraws", lo=0.0, hi=1.0
     )
+    hires_upscaler: str = param(
+        "text", "", "the high-resolution pass's upscaler, by name (the farm's upscalers/ "
+        "folders): it upscales the decoded image, encoded again (empty: the latent is "
+        "upscaled)", max_chars=128,
+    )  # fmt: skip
+    hires_tile_size: int = param(
+        "int", DEFAULT_TILE, "input pixels a tile's side of the hires upscaler", lo=MIN_TILE,
+        hi=MAX_TILE, auto=0, auto_text=WHOLE_IMAGE,
+    )  # fmt: skip
     step_cache: str = param(
         "choice", "off", "reuse the model's output across similar steps: faster, a little "
         "different. ucache suits UNet models (SD 1.x/2.x/XL), easycache, dbcache, taylorseer "
@@ -354,8 +371,9 @@ class GenerationParams:
 
     @property
     def encodes(self) -> bool:
-        """Whether the engine encodes an image into latents (img2img, inpainting)."""
-        return self.init_image is not None
+        """Whether the engine encodes an image into latents (img2img, inpainting, the image
+        a hires upscaler made)."""
+        return self.init_image is not None or bool(self.hires_upscaler)
 
 
 @dataclass(frozen=True)
@@ -487,6 +505,14 @@ def validate(params: GenerationParams) -> GenerationParams:
             f"{checked['width']}x{checked['height']} times {checked['hires_scale']:g} is "
             f"{final[0]}x{final[1]}, beyond {MAX_SIZE} pixels a side or {MAX_PIXELS} in all",
         )
+    if checked["hires_upscaler"] and not (
+        LORA_NAME.match(checked["hires_upscaler"]) and checked["hires_scale"] > 1.0
+    ):
+        raise InvalidParameterError(
+            "hires_upscaler",
+            f"{checked['hires_upscaler']!r}: give an upscaler's name (letters, digits, '.', '_', "
+            "'-') and a hires_scale above 1 (the pass is off at 1)",
+        )
     if checked["mask_image"] is not None and checked["init_image"] is None:
         raise InvalidParameterError(
             "mask_image", "needs an init_image: the mask says which part of it is redrawn"
@@ -522,16 +548,18 @@ def attach_images(values: dict[str, Any], inputs: dict[str, bytes]) -> dict[str,
     for p in IMAGE_PARAMS:
         value = out.get(p.name)
         if p.kind == "image" and value is not None:
-            out[p.name] = _attached(p.name, value, inputs.get(p.name))
+            out[p.name] = attached_image(p.name, value, inputs.get(p.name))
         elif p.kind == "images" and value:
             out[p.name] = tuple(
-                _attached(f"{p.name}[{i}]", v, inputs.get(f"{p.name}:{i}"))
+                attached_image(f"{p.name}[{i}]", v, inputs.get(f"{p.name}:{i}"))
                 for i, v in enumerate(value)
             )
     return out
 
 
-def _attached(name: str, want: Any, data: bytes | None) -> bytes:
+def attached_image(name: str, want: Any, data: bytes | None) -> bytes:
+    """The input image that travelled beside a job's parameters, which must be the one its
+    digest `want` names; InvalidParameterError naming parameter `name` otherwise."""
     if data is None:
         raise InvalidParameterError(name, "its image did not arrive with the job (expired?)")
     if images.digest(data) != want:
@@ -547,16 +575,18 @@ def read_image_files(values: dict[str, Any]) -> dict[str, Any]:
     for p in IMAGE_PARAMS:
         value = out.get(p.name)
         if p.kind == "image" and isinstance(value, str | os.PathLike):
-            out[p.name] = _read(p.name, value)
+            out[p.name] = read_image(p.name, value)
         elif p.kind == "images" and isinstance(value, list | tuple):
             out[p.name] = [
-                _read(f"{p.name}[{i}]", v) if isinstance(v, str | os.PathLike) else v
+                read_image(f"{p.name}[{i}]", v) if isinstance(v, str | os.PathLike) else v
                 for i, v in enumerate(value)
             ]
     return out
 
 
-def _read(name: str, path: str | os.PathLike[str]) -> bytes:
+def read_image(name: str, path: str | os.PathLike[str]) -> bytes:
+    """The bytes of image file `path` (at most one byte over the cap, which the check then
+    refuses); InvalidParameterError naming parameter `name` when unreadable."""
     try:
         with open(path, "rb") as f:
             return f.read(images.MAX_IMAGE_BYTES + 1)

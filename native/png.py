@@ -14,10 +14,11 @@ from typing import Any
 from PIL import Image, PngImagePlugin
 
 from sdfarm.native.params import NAMES
+from sdfarm.native.upscale_params import UPSCALE_NAMES
 
-PARAM_KEYS = (*NAMES, "model", "sd_version")
-"""What the chunk records: every job parameter (sdfarm.native.params), the model and the
-runtime version."""
+PARAM_KEYS = tuple(dict.fromkeys((*NAMES, *UPSCALE_NAMES, "kind", "model", "sd_version")))
+"""What the chunk records: every job parameter (sdfarm.native.params, and an upscale's,
+sdfarm.native.upscale_params, its image by digest), the model and the runtime version."""
 
 
 def png_bytes(image: Image.Image, params: Mapping[str, Any], compress_level: int = 1) -> bytes:
@@ -27,11 +28,12 @@ def png_bytes(image: Image.Image, params: Mapping[str, Any], compress_level: int
     kept = {k: params[k] for k in PARAM_KEYS if k in params}
     info = PngImagePlugin.PngInfo()
     info.add_itxt("sdfarm", json.dumps(kept, sort_keys=True))
-    line = ", ".join(f"{k}: {kept[k]}" for k in PARAM_KEYS if k in kept and "prompt" not in k)
-    info.add_itxt(
-        "parameters",
-        f"{kept.get('prompt', '')}\nNegative prompt: {kept.get('negative_prompt', '')}\n{line}",
-    )
+    if "prompt" in kept:
+        line = ", ".join(f"{k}: {kept[k]}" for k in PARAM_KEYS if k in kept and "prompt" not in k)
+        info.add_itxt(
+            "parameters",
+            f"{kept['prompt']}\nNegative prompt: {kept.get('negative_prompt', '')}\n{line}",
+        )
     buf = io.BytesIO()
     image.save(buf, format="PNG", pnginfo=info, compress_level=compress_level)
     return buf.getvalue()

@@ -6,9 +6,14 @@ native lock right after each load, generation and dispose.
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 from sdfarm.native import logs
+
+NATIVE_LOCK = threading.Lock()
+"""Held around every native call that logs: the runtime's callbacks and the ring are
+process-wide, so an engine and an upscaler in one process take turns."""
 
 
 class LogRing:

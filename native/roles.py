@@ -13,6 +13,7 @@ size the diffusion model was trained at, guessed from its architecture (`native_
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 
 from .headers import FileHeader
 
@@ -179,6 +180,22 @@ def _components(header: FileHeader) -> dict[str, str]:
     return found
 
 
+UPSCALER = "upscaler"
+"""An ESRGAN file's role: not a model's (no sd_ctx_params_t field), an upscaler of its own
+(sdfarm.native.upscalers), told apart here so a model folder holding one says so."""
+UPSCALER_BODY_RE = re.compile(r"^body\.(\d+)\.")
+UPSCALER_SUB_RE = re.compile(r"^model\.1\.sub\.(\d+)\.RDB")
+
+
+def is_upscaler(names: Iterable[str]) -> bool:
+    """Whether tensor names are an ESRGAN's (RRDBNet), in the original layout (`conv_first`,
+    `body.N.rdbM...`) or the old `model.N` one (`model.0`, `model.1.sub.N.RDBM...`)."""
+    names = set(names)
+    return ("conv_first.weight" in names and any(UPSCALER_BODY_RE.match(n) for n in names)) or (
+        "model.0.weight" in names and any(UPSCALER_SUB_RE.match(n) for n in names)
+    )
+
+
 def detect_role_with_evidence(header: FileHeader) -> tuple[str | None, str]:
     """The role a file's tensor names point to and the evidence, in words, e.g.
     ("llm", "tensor names model.layers.*.self_attn"); (None, "") when nothing matches.
@@ -189,6 +206,8 @@ def detect_role_with_evidence(header: FileHeader) -> tuple[str | None, str]:
     names = [_strip(n) for n in header.tensors]
     if not names:
         return None, ""
+    if is_upscaler(header.tensors):
+        return UPSCALER, "tensor names of an ESRGAN (RRDBNet)"
     components = _components(header)
     if "diffusion" in components and len(components) > 1:
         shown = ", ".join(f"{c} ({e})" for c, e in components.items())

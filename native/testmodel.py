@@ -7,8 +7,9 @@ built-in tokenizer) and a TAESD (decoder and encoder) for 16-channel latents. Th
 infers every size from the tensor shapes, listed in `data/ovis-tiny-tensors.json` (PyTorch
 order, names without sd.cpp's per-role prefixes; the encoder's are `tae_encoder_specs`).
 
-Two folders are written, both loadable as models (`Model.from_dir`), and a LoRA for them
-(`loras/tiny-lora.safetensors`, sdfarm.native.loras):
+Two folders are written, both loadable as models (`Model.from_dir`), a LoRA for them
+(`loras/tiny-lora.safetensors`, sdfarm.native.loras) and two one-block ESRGAN upscalers
+(`upscalers/tiny-esrgan-x2` and `-x4`, sdfarm.native.upscalers):
 - `tiny-f16/`: safetensors, 2-D and larger tensors f16, 1-D f32;
 - `tiny-q8_0/`: GGUF, 2-D and larger tensors q8_0 where the row length is a multiple of 32
   (else f16), 1-D f32: the quantised path through the runtime.
@@ -28,6 +29,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
+
+from sdfarm.native.catalog import UPSCALERS_FOLDER
 
 TENSORS_JSON = Path(__file__).parent / "data" / "ovis-tiny-tensors.json"
 SEED = 20261129
@@ -180,6 +183,8 @@ def make_test_model(out_dir: str | os.PathLike[str]) -> list[Path]:
         _write_manifest(folder, suffix)
         folders.append(folder)
     make_test_lora(out / "loras" / f"{TEST_LORA}.safetensors", specs["dit"])
+    for name, (scale, layout) in TEST_UPSCALERS.items():
+        make_test_upscaler(out / UPSCALERS_FOLDER / f"{name}.safetensors", scale, layout)
     return folders
 
 
@@ -204,6 +209,33 @@ def make_test_lora(path: Path, dit: dict[str, tuple[int, ...]]) -> Path:
         tensors[f"{key}.alpha"] = np.array(float(LORA_RANK), dtype=np.float32)
     path.parent.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(path))
+    return path
+
+
+TEST_UPSCALERS: dict[str, tuple[int, str]] = {
+    "tiny-esrgan-x2": (2, "rrdbnet"),
+    "tiny-esrgan-x4": (4, "esrgan"),
+}
+"""The tiny upscalers (`upscalers/NAME.safetensors`): name -> (scale, tensor-name layout)."""
+
+
+def make_test_upscaler(path: Path, scale: int, layout: str = "rrdbnet") -> Path:
+    """A one-block RRDBNet of the runtime's fixed widths (sdfarm.native.upscalers), weights
+    f16 and biases f32 drawn like the model's, in the original layout or the old ESRGAN
+    `model.N` one; deterministic, about 1.7 MB."""
+    from safetensors.numpy import save_file
+
+    from sdfarm.native.upscalers import esrgan_names, rrdbnet_specs
+
+    specs = rrdbnet_specs(1, scale)
+    rename = esrgan_names(1, scale) if layout == "esrgan" else {}
+    tensors = {
+        rename.get(n, n): (w.astype(np.float16) if w.ndim >= 2 else w)
+        for n, w in _weights(f"esrgan-x{scale}", specs)
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    metadata = {"sdfarm": f"tiny random-weight test upscaler, seed {SEED}"}
+    _write_atomically(path, lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
     return path
 
 

@@ -22,8 +22,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
+from sdfarm.native import upscale_params
 from sdfarm.native.errors import InvalidParameterError
-from sdfarm.native.params import VAE_TILING, from_mapping
+from sdfarm.native.estimate import UpscalerFacts, job_estimate
+from sdfarm.native.params import MAX_SIZE, VAE_TILING, from_mapping
 from sdfarm.scheduler import fairness, placement
 from sdfarm.scheduler.registry import (
     DEFAULT_BACKLOG,
@@ -31,9 +33,10 @@ from sdfarm.scheduler.registry import (
     Registry,
     Snapshot,
     account,
+    farm_upscalers,
 )
 from sdfarm.store import NOT_LEADER, Store, keys
-from sdfarm.store.records import decode, new_dispatch_id
+from sdfarm.store.records import decode, new_dispatch_id, upscaler_key, upscaler_name
 
 MAX_ATTEMPTS = 2
 """A job whose worker died under it this many times is failed as poison (SPEC, worker)."""
@@ -74,8 +77,11 @@ class DispatchConfig:
             raise ValueError(f"queue limit must be at least 1, got {self.queue_limit}")
 
 
-Shape = tuple[str, int, int, bool, tuple[str, ...], str]
-"""(model, width, height, encodes an input image, its LoRAs, its vae_tiling choice)."""
+Hires = tuple[str, int, int, int]
+"""A hires pass's model upscaler: (its name, the first pass's width and height, tile size)."""
+Shape = tuple[str, int, int, bool, tuple[str, ...], int, Hires | None, str]
+"""(engine, width, height, encodes an image, its LoRAs, tile size, its hires upscaler, its
+vae_tiling choice): an upscale job's engine is `upscaler:NAME`, its size the input image's."""
 
 
 @dataclass(frozen=True)
@@ -91,12 +97,17 @@ class PendingJob:
     height: int
     encodes: bool = False
     loras: tuple[str, ...] = ()
+    tile_size: int = 0
+    hires: Hires | None = None
     vae_tiling: str = "auto"
 
     @property
     def shape(self) -> Shape:
         """What the job's estimate depends on: jobs of one shape share it."""
-        return (self.model, self.width, self.height, self.encodes, self.loras, self.vae_tiling)
+        return (
+            self.model, self.width, self.height, self.encodes, self.loras, self.tile_size,
+            self.hires, self.vae_tiling,
+        )  # fmt: skip
 
 
 class Outbox(Protocol):
@@ -350,12 +361,17 @@ class Dispatcher:
                 continue
             self._missing_since.pop(model, None)
             sizes = snap.loras()
-            extra = sum(sizes.get(n, 0) for n in shape[4])
+            _, width, height, encodes, loras, tile, hires, tiling = shape
+            extra = sum(sizes.get(n, 0) for n in loras) + _hires_bytes(snap, hires)
+            size = {"encodes": encodes, "tile_size": tile, "extra_bytes": extra}
+            upscale = upscaler_name(model) is not None  # no VAE: nothing to tile
             asked = placement.JobRequest(
                 model,
-                facts.estimate(*shape[1:4], extra),
-                tiled_estimate=facts.estimate(*shape[1:4], extra, tiled=True),
-                vae_tiling=shape[5],
+                job_estimate(facts, width, height, **size),
+                tiled_estimate=None
+                if upscale
+                else job_estimate(facts, width, height, tiled=True, **size),
+                vae_tiling=tiling,
             )
             outcome = placement.place(asked, list(devices.values()), now)
             if isinstance(outcome, placement.Refuse):
@@ -406,6 +422,12 @@ class Dispatcher:
 
     @staticmethod
     def _unknown_error(model: str, snap: Snapshot) -> str:
+        upscaler = upscaler_name(model)
+        if upscaler is not None:
+            return (
+                f"unknown upscaler {upscaler!r}: no live worker has it; the farm has: "
+                f"{', '.join(farm_upscalers(snap.heartbeats)) or 'no upscalers'}"
+            )
         return (
             f"unknown model {model!r}: no live worker has it; the farm has: "
             f"{', '.join(snap.models()) or 'no models'}"
@@ -486,13 +508,23 @@ def _pending_job(job_id: str, priority: int, values: list[Any]) -> PendingJob | 
     state, model, submitter, created, spec = (decode(v) for v in values)
     if state != "queued" or not model:
         return None
+    tile, hires = 0, None
     try:
         params = json.loads(spec).get("params") or {}
-        width, height = from_mapping(params).final_size  # hires: the final size counts
-        encodes = params.get("init_image") is not None
-        loras = tuple(str(pair[0]) for pair in params.get("loras") or [])
-        tiling = str(params.get("vae_tiling") or "auto")
-        tiling = tiling if tiling in VAE_TILING else "auto"
+        if upscaler_name(model) is not None:
+            # An upscale job: its input size and tile size (a malformed size places as the
+            # largest input, the worker refuses what does not fit).
+            width, height = upscale_params.input_size(params) or (MAX_SIZE, MAX_SIZE)
+            tile = int(params.get("tile_size", upscale_params.DEFAULT_TILE))
+            encodes, loras, tiling = False, (), "off"
+        else:
+            gen = from_mapping(params)
+            width, height = gen.final_size  # hires: the final size counts
+            encodes = gen.encodes
+            loras = tuple(str(pair[0]) for pair in params.get("loras") or [])
+            tiling = gen.vae_tiling if gen.vae_tiling in VAE_TILING else "auto"
+            if gen.hires_upscaler:
+                hires = (str(gen.hires_upscaler), gen.width, gen.height, gen.hires_tile_size)
     except (ValueError, TypeError, AttributeError, IndexError, InvalidParameterError):
         width, height, encodes, loras, tiling = 256, 256, False, (), "auto"
     try:
@@ -501,5 +533,15 @@ def _pending_job(job_id: str, priority: int, values: list[Any]) -> PendingJob | 
         created_at = 0.0
     return PendingJob(
         job_id, model, priority, submitter or "anonymous", created_at, width, height, encodes,
-        loras, tiling,
+        loras, tile, hires, tiling,
     )  # fmt: skip
+
+
+def _hires_bytes(snap: Snapshot, hires: Hires | None) -> int:
+    """What a hires pass's model upscaler adds to a generation's estimate
+    (`UpscalerFacts.working`); 0 without one, or when no live worker has it (the client
+    refuses such a job, the worker fails it by name)."""
+    if hires is None:
+        return 0
+    facts = snap.model_facts(upscaler_key(hires[0]))
+    return facts.working(*hires[1:]) if isinstance(facts, UpscalerFacts) else 0

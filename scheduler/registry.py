@@ -18,9 +18,10 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from sdfarm.native.estimate import ModelFacts
+from sdfarm.native.estimate import Facts, ModelFacts, UpscalerFacts
 from sdfarm.scheduler.placement import DeviceState, LoadedModel
 from sdfarm.store import FarmReading, Store
+from sdfarm.store.records import upscaler_name
 
 DEFAULT_BACKLOG = 2
 DEFAULT_QUEUE_LIMIT = 10_000
@@ -139,11 +140,33 @@ def heartbeat_models(hb: Mapping[str, Any]) -> dict[str, ModelFacts]:
     return out
 
 
-def model_facts(heartbeats: Mapping[str, Mapping[str, Any]], name: str) -> ModelFacts | None:
-    """The facts of `name` valid on every device that lists it (`ModelFacts.cautious`: one
-    estimate per job, whichever of those devices gets it); None when no live worker has it."""
+def heartbeat_upscalers(hb: Mapping[str, Any]) -> dict[str, UpscalerFacts]:
+    """{name: UpscalerFacts} of the upscalers a heartbeat's worker can load (malformed
+    entries left out)."""
+    out = {}
+    for name, doc in (hb.get("upscalers") or {}).items():
+        try:
+            out[str(name)] = UpscalerFacts.from_json(doc)
+        except (KeyError, TypeError, ValueError, AttributeError):
+            continue
+    return out
+
+
+def model_facts(heartbeats: Mapping[str, Mapping[str, Any]], name: str) -> Facts | None:
+    """The facts of engine `name` (a model, or `upscaler:NAME`) valid on every device that
+    lists it (`cautious`: one estimate per job, whichever of those devices gets it); None
+    when no live worker has it."""
+    upscaler = upscaler_name(name)
+    if upscaler is not None:
+        ups = [f for hb in heartbeats.values() if (f := heartbeat_upscalers(hb).get(upscaler))]
+        return UpscalerFacts.cautious(ups) if ups else None
     found = [f for hb in heartbeats.values() if (f := heartbeat_models(hb).get(name))]
     return ModelFacts.cautious(found) if found else None
+
+
+def farm_upscalers(heartbeats: Mapping[str, Mapping[str, Any]]) -> list[str]:
+    """Every upscaler some live worker can load."""
+    return sorted({n for hb in heartbeats.values() for n in heartbeat_upscalers(hb)})
 
 
 def farm_loras(heartbeats: Mapping[str, Mapping[str, Any]]) -> dict[str, int]:
@@ -177,7 +200,7 @@ class Snapshot:
     head_fields: dict[str, list[str]] = field(default_factory=dict)
     now: float = 0.0
 
-    def model_facts(self, name: str) -> ModelFacts | None:
+    def model_facts(self, name: str) -> Facts | None:
         return model_facts(self.heartbeats, name)
 
     def models(self) -> list[str]:

@@ -7,7 +7,7 @@ Job record `job:{id}` (hash), written at submit and then by each transition:
 
 | field | set by | what |
 |---|---|---|
-| id, spec, model, priority, submitter, owner | submit | the request (`spec` is a JobSpec as JSON) |
+| id, spec, model, kind, priority, submitter, owner | submit | the request (`spec`: JobSpec JSON) |
 | state | every transition | queued, placed, running, done, failed, cancelled |
 | created | submit (Redis clock) | when it was queued |
 | deadline | submit | seconds the job may take once placed (then it fails, its worker stops) |
@@ -20,6 +20,9 @@ Job record `job:{id}` (hash), written at submit and then by each transition:
 | inputs | submit | the key of the job's input images, when it has some |
 | ended, error | the end | when it ended (done, failed, cancelled) and why it failed |
 | figures | fail, worker refusal | the memory figures of a refusal (JSON list) |
+
+`kind` is generate or upscale; `model` names the engine the job needs: a model, or for an
+upscale job `upscaler:NAME` (`upscaler_key`).
 
 Result `result:{id}` (hash): `png:0` .. `png:{count-1}` (PNG bytes, each with its parameters in
 a text chunk), `count`, `meta` (JSON: the parameters with the resolved seed, job, model, host,
@@ -87,6 +90,7 @@ HEARTBEAT_FIELDS = {
     "models": "{name: {bytes, native_size: [w, h], decode_per_pixel}} the models it can load",
     "bad_models": "{name: error} models in its folders that do not load",
     "loras": "{name: bytes} the LoRA files it can apply",
+    "upscalers": "{name: {bytes, scale, tile_per_pixel, overhead}} the upscalers it can load",
     "queue": "messages waiting in its Celery queue",
     "state": "idle, loading or busy",
     "current_job": "the job it runs, or null",
@@ -130,16 +134,34 @@ def new_dispatch_id() -> str:
     return uuid.uuid4().hex
 
 
+JOB_KINDS = ("generate", "upscale")
+"""What a job does: generate images with a model, or upscale an image with an upscaler."""
+UPSCALER_PREFIX = "upscaler:"
+"""An upscale job's `model`: the engine it needs, `upscaler:NAME`, so the engine cache, the
+heartbeat's loaded engines and placement name an upscaler apart from a model of that name."""
+
+
+def upscaler_key(name: str) -> str:
+    """The engine name of upscaler `name` (a job's `model`, an engine cache key)."""
+    return UPSCALER_PREFIX + name
+
+
+def upscaler_name(model: str) -> str | None:
+    """The upscaler an engine name stands for, or None for a model."""
+    return model[len(UPSCALER_PREFIX) :] if model.startswith(UPSCALER_PREFIX) else None
+
+
 @dataclass(frozen=True)
 class JobSpec:
-    """What a client asks for: a model, the generation parameters (GenerationParams fields,
-    validated by the client and again by the worker before any native call) and the job's
-    options. `owner` names who may read the job back through the gateway (a token's
-    fingerprint; "" for anyone with access to the farm). `test_hook` is honoured only by
-    workers started with SDFARM_TEST_HOOKS=1."""
+    """What a client asks for: a job kind, the engine it needs (a model, or `upscaler:NAME`),
+    its parameters (GenerationParams or UpscaleParams fields, validated by the client and
+    again by the worker before any native call) and the job's options. `owner` names who may
+    read the job back through the gateway (a token's fingerprint; "" for anyone with access
+    to the farm). `test_hook` is honoured only by workers started with SDFARM_TEST_HOOKS=1."""
 
     model: str
     params: dict[str, Any]
+    kind: str = "generate"
     # The job options (sdfarm.native.params.JobOptions, field for field):
     priority: int = 5
     submitter: str = "anonymous"
@@ -163,6 +185,7 @@ def new_job_record(job_id: str, spec: JobSpec) -> dict[str, str]:
         "id": job_id,
         "spec": spec.to_json(),
         "model": spec.model,
+        "kind": spec.kind,
         "priority": str(spec.priority),
         "submitter": spec.submitter,
         "owner": spec.owner,

@@ -28,7 +28,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from sdfarm.native.devices import gpu_figure
-from sdfarm.native.estimate import model_facts
+from sdfarm.native.estimate import model_facts, upscaler_facts
 from sdfarm.native.probe import mem_available
 from sdfarm.store import keys
 
@@ -97,10 +97,12 @@ class ModelFacts:
     every second): `sdfarm.native.estimate.ModelFacts`, from which the scheduler makes a job's
     estimate exactly as this worker's engine would."""
 
-    def __init__(self, catalog: Any, device: Any, loras: Any = None) -> None:
+    def __init__(self, catalog: Any, device: Any, loras: Any = None, upscalers: Any = None) -> None:
         self._catalog = catalog
         self._lora_catalog = loras
+        self._upscaler_catalog = upscalers
         self.loras: dict[str, int] = {}
+        self.upscalers: dict[str, dict[str, Any]] = {}
         self._device = device
         self._known: dict[str, tuple[float, dict[str, Any]]] = {}
         self.bad: dict[str, str] = {}
@@ -129,6 +131,11 @@ class ModelFacts:
         self._facts, self.bad = facts, bad
         if self._lora_catalog is not None:
             self.loras = self._lora_catalog.sizes()
+        if self._upscaler_catalog is not None:
+            self.upscalers = {
+                name: upscaler_facts(f.size, f.scale, self._device.name).as_json()
+                for name, f in self._upscaler_catalog.all().items()
+            }
         return facts
 
 
@@ -146,7 +153,7 @@ class Heartbeat:
         self._ctx = ctx
         self._parent = os.getppid()
         self._stop = threading.Event()
-        self._models = ModelFacts(ctx.catalog, ctx.config.device, ctx.loras)
+        self._models = ModelFacts(ctx.catalog, ctx.config.device, ctx.loras, ctx.upscalers)
         self._version = version()
         self._thread = threading.Thread(target=self._run, name="sdfarm-heartbeat", daemon=True)
 
@@ -184,6 +191,7 @@ class Heartbeat:
             "models": self._models.get(),
             "bad_models": self._models.bad,
             "loras": self._models.loras,
+            "upscalers": self._models.upscalers,
             "queue": ctx.store.queue_length(cfg.device_key),
             "state": state,
             "current_job": ctx.current_job,

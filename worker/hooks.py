@@ -48,6 +48,7 @@ class WorkerConfig:
     engine_log_level: str = "info"
     celery_hostname: str = ""
     lora_dirs: list[str] = field(default_factory=list)  # besides each models dir's loras/
+    upscaler_dirs: list[str] = field(default_factory=list)  # besides each one's upscalers/
 
     @property
     def device_key(self) -> str:
@@ -85,6 +86,7 @@ class Context:
     def __init__(self, config: WorkerConfig) -> None:
         from sdfarm.native.catalog import Catalog
         from sdfarm.native.loras import LoraCatalog, lora_dirs
+        from sdfarm.native.upscalers import UpscalerCatalog, upscaler_dirs
         from sdfarm.store import Store
         from sdfarm.worker.engine_cache import EngineCache
         from sdfarm.worker.heartbeat import Heartbeat, cache_limits
@@ -98,6 +100,7 @@ class Context:
         self.store = Store.connect(config.redis_url, health_check_interval=30, socket_timeout=60)
         self.catalog = Catalog(config.models)
         self.loras = LoraCatalog(lora_dirs(config.models, config.lora_dirs))
+        self.upscalers = UpscalerCatalog(upscaler_dirs(config.models, config.upscaler_dirs))
         capacity, overflow = cache_limits(config)
         self.cache = EngineCache(
             self._load_engine,
@@ -111,7 +114,7 @@ class Context:
         self.state = "idle"
         self.current_job: str | None = None
         self.load_records: dict[str, list[dict[str, Any]]] = {}
-        # name -> (job id or None, Model, estimate): what the loader loads for that name
+        # name -> (job id or None, Model or UpscalerFile, estimate): what the loader loads
         self.load_requests: dict[str, tuple[str | None, Any, int]] = {}
         self.last_load: dict[str, Any] | None = None
         self._stop = threading.Event()
@@ -142,9 +145,12 @@ class Context:
             self.current_job = job_id
 
     def _load_engine(self, name: str) -> Any:
-        """EngineCache's loader: loads the model the current job resolved (through the
-        catalog only) on this worker's pinned device, with events and timing for the job."""
+        """EngineCache's loader: loads the model (or upscaler) the current job resolved
+        (through its catalog only) on this worker's pinned device, with events and timing for
+        the job."""
         from sdfarm.native.engine import Engine, LogConfig
+        from sdfarm.native.upscale import Upscaler
+        from sdfarm.native.upscalers import UpscalerFile
 
         job_id, model, estimate = self.load_requests[name]
         previous = self.state
@@ -154,8 +160,10 @@ class Context:
                 lambda: self.store.push_event(job_id, "loading", model=name, estimate=estimate)
             )
         t0 = time.monotonic()
+        # An upscale job's engine is an Upscaler (`model` is its checked file).
+        kind = Upscaler if isinstance(model, UpscalerFile) else Engine
         try:
-            engine = Engine.load(
+            engine = kind.load(
                 model,
                 device=self.config.engine_device,
                 pinned=self.config.engine_device,

@@ -64,6 +64,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "default $SDFARM_LORAS)",
     )
     parser.add_argument(
+        "--upscaler-dir",
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="a folder of upscaler (ESRGAN) files besides each models directory's upscalers/ "
+        "(repeatable; default $SDFARM_UPSCALERS)",
+    )
+    parser.add_argument(
         "--host", default=None, help="host name in the farm (default: this machine's hostname)"
     )
     parser.add_argument(
@@ -165,6 +173,7 @@ def build_config(args: argparse.Namespace) -> Any:
         keep_alive=args.keep_alive,
         pins=list(args.pin),
         lora_dirs=list(args.lora_dir),
+        upscaler_dirs=list(args.upscaler_dir),
         threads=args.threads,
         backend=args.backend or os.environ.get("SDFARM_BACKEND"),
         celery_hostname=f"sdfarm.{device.name}@{host}",

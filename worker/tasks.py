@@ -16,24 +16,19 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import fields
 from typing import Any
 
-from sdfarm.native import logs
+from sdfarm.native import images, logs, upscale_params
 from sdfarm.native.engine import LogConfig
 from sdfarm.native.errors import EngineError, InvalidParameterError, ModelTooLargeError
-from sdfarm.native.estimate import model_facts
-from sdfarm.native.params import (
-    IMAGE_PARAMS,
-    GenerationParams,
-    attach_images,
-    from_mapping,
-    validate,
-)
+from sdfarm.native.estimate import model_facts, upscaler_facts
+from sdfarm.native.params import IMAGE_PARAMS, attach_images, from_mapping, validate
 from sdfarm.native.preview import Preview
 from sdfarm.native.tiling import TilingPlan
 from sdfarm.store import Claim, JobSpec
+from sdfarm.store.records import JOB_KINDS, upscaler_key
 from sdfarm.store.retry import retry_transient
 from sdfarm.worker import hooks
 from sdfarm.worker.results import Finished
@@ -118,26 +113,13 @@ class JobRun:
             self.meta["model"] = spec.model
             self.level = spec.log_level
             self.log_prompts = spec.log_prompts
-            params = validate(from_mapping(self._with_inputs(spec.params)))
-            model = self.ctx.catalog.load(spec.model)
-            facts = model_facts(model, self.ctx.config.device)
-            loras = {name: self.ctx.loras.load(name) for name, _ in params.loras}
-            lora_bytes = sum(f.size for f in loras.values())
-            # The job's estimate as the scheduler placed it (sdfarm.native.estimate): the
-            # cache makes room for it and the engine checks it, so all three agree. So does
-            # its VAE tiling plan (sdfarm.native.tiling), which the engine obeys.
-            tiling = _tiling_plan(claimed.tiling)
-            need = claimed.estimate or facts.estimate(
-                *params.final_size, params.encodes, lora_bytes, tiled=bool(tiling and tiling.tiled)
-            )
-            engine = self.ctx.request_engine(spec.model, model, facts.resident(), self.job_id, need)
+            prepare = self._prepare_upscale if spec.kind == "upscale" else self._prepare_generate
+            engine, call = prepare(spec, claimed)
         except EngineError as exc:
             self._fail(str(exc), _error_records(exc), self._refusal_fields(exc))
             return
         try:
-            self._generate(
-                spec.model, engine, params, need, loras, hooks.hook_sleep_seconds(hook), tiling
-            )
+            self._execute(spec.model, engine, call, hooks.hook_sleep_seconds(hook))
         except EngineError as exc:
             if engine.poisoned:
                 self.ctx.cache.drop(spec.model)
@@ -149,16 +131,53 @@ class JobRun:
         finally:
             self.ctx.cache.release(spec.model)
 
-    def _generate(
-        self,
-        name: str,
-        engine: Any,
-        params: GenerationParams,
-        estimate: int,
-        loras: dict[str, Any],
-        sleep_s: float,
-        tiling: TilingPlan | None = None,
-    ) -> None:
+    def _prepare_generate(self, spec: JobSpec, claimed: Claim) -> tuple[Any, Callable[[], Any]]:
+        """A generation's checked parameters, model, LoRAs and engine: (engine, the call)."""
+        params = validate(from_mapping(self._with_inputs(spec.params)))
+        model = self.ctx.catalog.load(spec.model)
+        facts = model_facts(model, self.ctx.config.device)
+        loras = {name: self.ctx.loras.load(name) for name, _ in params.loras}
+        extra = sum(f.size for f in loras.values())
+        ups = {}
+        if params.hires_upscaler:
+            file = ups[params.hires_upscaler] = self.ctx.upscalers.load(params.hires_upscaler)
+            hires = upscaler_facts(file.size, file.scale, self.ctx.config.device.name)
+            extra += hires.working(params.width, params.height, params.hires_tile_size)
+        # The job's estimate as the scheduler placed it (sdfarm.native.estimate): the
+        # cache makes room for it and the engine checks it, so all three agree. So does
+        # its VAE tiling plan (sdfarm.native.tiling), which the engine obeys.
+        tiling: TilingPlan | None = _tiling_plan(claimed.tiling)
+        need = claimed.estimate or facts.estimate(
+            *params.final_size, params.encodes, extra, tiled=bool(tiling and tiling.tiled)
+        )
+        engine = self.ctx.request_engine(spec.model, model, facts.resident(), self.job_id, need)
+        log_config = LogConfig(level=self.level, log_prompts=self.log_prompts)
+        return engine, lambda: engine.generate(
+            params, progress=self._progress,
+            preview=self._preview if params.preview_every else None,
+            log=log_config, estimate=need, loras=loras, upscalers=ups, tiling=tiling,
+        )  # fmt: skip
+
+    def _prepare_upscale(self, spec: JobSpec, claimed: Claim) -> tuple[Any, Callable[[], Any]]:
+        """An upscale's checked parameters, upscaler file and engine (`upscaler:NAME` in the
+        cache): (engine, the call)."""
+        inputs = retry_transient(lambda: self.store.inputs(self.job_id))
+        params = upscale_params.validate(
+            upscale_params.from_mapping(upscale_params.attach(spec.params, inputs))
+        )
+        if upscaler_key(params.upscaler) != spec.model:
+            raise InvalidParameterError("upscaler", "the job's engine is another upscaler")
+        file = self.ctx.upscalers.load(params.upscaler)
+        params = upscale_params.check_against(params, file.scale)
+        facts = upscaler_facts(file.size, file.scale, self.ctx.config.device.name)
+        need = claimed.estimate or facts.estimate(*images.size(params.image), params.tile_size)
+        engine = self.ctx.request_engine(spec.model, file, facts.resident(), self.job_id, need)
+        log_config = LogConfig(level=self.level)
+        return engine, lambda: engine.upscale(params, log=log_config, estimate=need)
+
+    def _execute(self, name: str, engine: Any, call: Callable[[], Any], sleep_s: float) -> None:
+        """Run the job's native call on its engine (after the load's records are stored and
+        a cancel during the load is honoured) and hand its images to the uploader."""
         loaded = (
             self.ctx.last_load if (self.ctx.last_load or {}).get("job") == self.job_id else None
         )
@@ -178,21 +197,14 @@ class JobRun:
             if sleep_s:
                 time.sleep(sleep_s)
             self.timings["worker_pre_s"] = round(time.monotonic() - self._t0, 4)
-            result = engine.generate(
-                params,
-                progress=self._progress,
-                preview=self._preview if params.preview_every else None,
-                log=LogConfig(level=self.level, log_prompts=self.log_prompts),
-                estimate=estimate,
-                loras=loras,
-                tiling=tiling,
-            )
+            result = call()
         meta = {**result.metadata, **self.meta}
         meta["engine_device"] = result.metadata.get("device")
         meta["timings"] = {**self.timings, **result.metadata.get("timings", {})}
         records = (self._load_records(name) if loaded else []) + [
             r.as_dict() for r in result.records
         ]
+        seeds = meta.get("seeds")
         self.ctx.uploader.submit(
             Finished(
                 self.job_id,
@@ -201,7 +213,7 @@ class JobRun:
                 meta=meta,
                 records=_visible(records, self.level),
                 images=list(result.images),
-                png_params=[{**meta, "seed": s} for s in meta["seeds"]],
+                png_params=[{**meta, "seed": s} for s in seeds] if seeds else [meta],
             )
         )
 
@@ -375,6 +387,8 @@ def _job_spec(doc: dict[str, Any]) -> JobSpec:
     if not isinstance(doc.get("params", {}), dict):
         raise InvalidParameterError("params", "must be an object")
     spec = JobSpec(**{k: v for k, v in doc.items() if k in known})
+    if spec.kind not in JOB_KINDS:
+        raise InvalidParameterError("kind", f"unknown job kind {spec.kind!r}")
     try:
         logs.level_number(spec.log_level)
     except ValueError as exc:

@@ -30,6 +30,7 @@ from sdfarm.native.images import digest
 from sdfarm.native.loras import LoraCatalog, lora_dirs
 from sdfarm.native.params import IMAGE_PARAMS, NAMES, PARAMS, GenerationParams
 from sdfarm.native.png import read_params
+from sdfarm.native.upscalers import UpscalerCatalog, upscaler_dirs
 
 from helpers.gateway import cpu_farm, served_gateway
 
@@ -70,6 +71,8 @@ VALUES: dict[str, Any] = {
     "hires_scale": 1.5,
     "hires_steps": 1,
     "hires_strength": 0.5,
+    "hires_upscaler": "tiny-esrgan-x2",
+    "hires_tile_size": 64,
     "step_cache": "easycache",
     "vae_tiling": "on",
     "preview_every": 1,
@@ -172,9 +175,15 @@ def client(farm: Any) -> Iterator[Farm]:
 def test_in_process_the_native_call_receives_every_parameter(models_dir: Path) -> None:
     catalog = LoraCatalog(lora_dirs([models_dir]))
     loras = {name: catalog.load(name) for name, _ in VALUES["loras"]}
+    hires = UpscalerCatalog(upscaler_dirs([models_dir])).load(VALUES["hires_upscaler"])
     with Engine.load(models_dir / MODEL, threads=1) as engine:
         previews: list[Any] = []
-        result = engine.generate(GenerationParams(**VALUES), loras=loras, preview=previews.append)
+        result = engine.generate(
+            GenerationParams(**VALUES),
+            loras=loras,
+            upscalers={hires.name: hires},
+            preview=previews.append,
+        )
         received = engine.last_call
     assert previews and all(p.step >= 1 for p in previews)  # preview_every reached the caller
     shapes = {

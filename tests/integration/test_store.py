@@ -240,6 +240,8 @@ def test_an_owner_at_its_quota_is_refused_until_a_job_ends(store: Store) -> None
     owned = [m.decode() for m in store.r.zrange(keys.owned_key("owner-a"), 0, -1)]
     assert first not in owned and second not in owned and third in owned
     assert 0 < store.r.ttl(keys.owned_key("owner-a")) <= keys.JOB_TTL
+
+
 def test_the_tiling_plan_travels_from_placement_to_the_claim(store: Store) -> None:
     job_id = submit(store)
     plan = {"tiled": True, "estimate": 456, "warning": "decoded in tiles: ..."}
