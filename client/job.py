@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from sdfarm.client.errors import FarmError, JobCancelled, JobFailed
 from sdfarm.store import FINAL_STATES, JobResult
+from sdfarm.store.aio import wait_slice
 from sdfarm.store.records import loads
 from sdfarm.store.retry import aretry_transient
 from sdfarm.store.store import refusing_writes_reason
@@ -197,7 +198,7 @@ class Job:
                         await aretry_transient(store.lease_holder, budget)
                     )
                     raise self._overdue(state, job_deadline or 0.0, why)
-                await notice.wait(left)
+                await notice.wait(min(left, wait_slice()))
 
     def _outcome(self, state: str, ended: JobResult | None) -> Result:
         """The Result of a final job, or the exception that says why there is none."""

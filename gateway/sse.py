@@ -5,7 +5,7 @@ thousand open streams hold no thread and do not slow other requests.
 
 A stream does not poll: it subscribes to the job's events channel (`AsyncStore.listen`, one
 pub/sub connection shared by every stream and waiter of the loop) and reads only when a notice
-says an event was appended, or every `state_s` when nothing happened (a job's keys expire
+says an event was appended, or every `state_s` (jittered) when nothing happened (a job's keys expire
 without an event, and a notice can be lost to a dropped connection). Each read is one command,
 for the newest event; the whole list is read only when that is an event the stream has not
 sent, and the job's state only when the job has no events list or every `state_s`.
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import random
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -29,7 +30,10 @@ from sdfarm.store import FINAL_STATES
 from sdfarm.store.aio import AsyncStore
 
 SSE_KEEPALIVE_S = 15.0
-SSE_STATE_S = 5.0
+SSE_STATE_S = 10.0
+SSE_JITTER = 0.2
+"""Each quiet wait is state_s times a factor in [1 - SSE_JITTER, 1 + SSE_JITTER], so streams
+opened together do not all read in the same instant."""
 SEP = "\n"
 EVENT_FINAL = frozenset(FINAL_STATES)
 
@@ -85,7 +89,7 @@ async def stream(
                 news = newest is not None and newest != last
                 raw = await store.raw_events(job_id) if news else []
                 state = None  # not read this time
-                if newest is None or time.monotonic() - checked >= state_s:
+                if newest is None or time.monotonic() - checked >= state_s * (1 - SSE_JITTER):
                     state, checked = await store.state(job_id), time.monotonic()
             except Exception as exc:  # noqa: BLE001 - Redis went away: say so, then end
                 yield _sse("error", {"event": "error", "error": clean(f"farm unavailable: {exc}")})
@@ -106,7 +110,8 @@ async def stream(
             if state is not None and (not state or (state in EVENT_FINAL and newest is None)):
                 yield _sse(state or "expired", {"state": state})
                 return
-            await notice.wait(state_s - (time.monotonic() - checked))
+            due = state_s * random.uniform(1 - SSE_JITTER, 1 + SSE_JITTER)
+            await notice.wait(due - (time.monotonic() - checked))
 
 
 def _after(raw: list[bytes], last: bytes | None, last_t: float) -> list[bytes]:

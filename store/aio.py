@@ -15,6 +15,7 @@ and each wake-up is one short read (`watch`, then `ended` once the job is final)
 from __future__ import annotations
 
 import contextlib
+import random
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -29,9 +30,19 @@ MAX_CONNECTIONS = 64
 """Connections one AsyncStore opens at most; more concurrent reads wait for one."""
 POOL_WAIT_S = 10.0
 """How long a read waits for a free connection before it fails (redis ConnectionError)."""
-WAIT_SLICE_S = 10.0
+WAIT_SLICE_S = 30.0
 """Longest a watcher waits for a notice before it reads the job again anyway: the bound on a
-notice lost to a dropped pub/sub connection (at-most-once delivery)."""
+notice lost to a dropped pub/sub connection (at-most-once delivery; the connection's loss
+itself wakes everyone at once)."""
+SLICE_JITTER = 0.5
+"""Each slice is WAIT_SLICE_S times a random factor in [1 - SLICE_JITTER, 1]: 500 requests
+that came in together must not all read Redis in the same instant a slice later (measured:
+that burst put a 0.4 s stall on the event loop, /healthz p99 70 ms)."""
+
+
+def wait_slice() -> float:
+    """One watcher's next slice (WAIT_SLICE_S, jittered)."""
+    return WAIT_SLICE_S * random.uniform(1 - SLICE_JITTER, 1)
 
 
 class AsyncStore:
