@@ -62,6 +62,9 @@ class Notices:
         self._watchers: dict[bytes, set[Notice]] = {}
         self._confirms: dict[bytes, deque[asyncio.Future[None]]] = {}
         self._reader: asyncio.Task[None] | None = None
+        self._sending = asyncio.Lock()
+        """One SUBSCRIBE / UNSUBSCRIBE at a time: redis-py's PubSub opens its connection on the
+        first command, and two first commands at once would each open one (one orphaned)."""
 
     def watched(self) -> int:
         """Channels subscribed now (one per job someone waits for or streams)."""
@@ -78,7 +81,8 @@ class Notices:
             confirms = self._confirms.setdefault(channel, deque())
             if len(watchers) == 1:
                 confirms.append(asyncio.get_running_loop().create_future())
-                await self._pubsub.subscribe(channel)
+                async with self._sending:
+                    await self._pubsub.subscribe(channel)
                 self._start_reader()
             if confirms:  # wait until Redis has it (ours, or the first watcher's)
                 with contextlib.suppress(TimeoutError):
@@ -91,7 +95,8 @@ class Notices:
                 self._watchers.pop(channel, None)
                 self._confirms.pop(channel, None)
                 with contextlib.suppress(Exception):  # a dead connection forgets it anyway
-                    await self._pubsub.unsubscribe(channel)
+                    async with self._sending:
+                        await self._pubsub.unsubscribe(channel)
 
     def _start_reader(self) -> None:
         if self._reader is None or self._reader.done():
