@@ -2,6 +2,8 @@
 
 Waiting blocks on the job's done token in Redis (`Store.wait`), so a finished job is seen
 within a round trip, with no polling; the wake-up reads the record and the result together.
+An event loop awaits instead (`result_async`, over an AsyncStore): a notice on the job's
+events channel wakes it, and no thread waits.
 A Redis that restarts or fails over meanwhile is waited for (`Farm.retry`).
 """
 
@@ -17,10 +19,14 @@ from typing import TYPE_CHECKING, Any
 from sdfarm.client.errors import FarmError, JobCancelled, JobFailed
 from sdfarm.native.preview import Preview
 from sdfarm.store import FINAL_STATES, JobResult
+from sdfarm.store.aio import wait_slice
 from sdfarm.store.records import loads
+from sdfarm.store.retry import aretry_transient
+from sdfarm.store.store import refusing_writes_reason
 
 if TYPE_CHECKING:
     from sdfarm.client.farm import Farm
+    from sdfarm.store.aio import AsyncStore
 
 WAIT_SLICE_S = 30.0
 """Longest single blocking wait: a wait forever is a loop of these, so a Redis that went away
@@ -65,6 +71,14 @@ class Result:
         return written
 
 
+def _no_end(leader: str | None) -> str:
+    """Why no end was recorded, when Redis takes writes: the lease says whether a scheduler
+    runs at all."""
+    if leader is None:
+        return "no scheduler recorded it (is one running?)"
+    return "the scheduler did not record it"
+
+
 class Job:
     """A handle on one job; cheap to make from an id (`farm.job(id)`)."""
 
@@ -100,31 +114,46 @@ class Job:
             state, placed, job_deadline, now = self.farm.retry(lambda: store.watch(self.id))
             if state in FINAL_STATES:
                 return state, None
-            if not state:
-                raise FarmError(f"no job {self.id} (unknown, or expired)")
             if token_seen:  # a token with the state not yet final: never spin hot
                 time.sleep(0.001)
-            left = WAIT_SLICE_S if deadline is None else deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError(f"job {self.id} still {state} after {timeout} s")
-            if placed is not None and job_deadline is not None:
-                overdue = now - placed - job_deadline - self.farm.deadline_grace_s
-                if overdue >= 0:
-                    raise self._overdue(state, job_deadline)
-                left = min(left, -overdue + 0.05)
-            if self._wait_for_token(min(left, WAIT_SLICE_S)):
+            left = self._slice(state, placed, job_deadline, now, deadline, timeout)
+            if left is None:
+                why = self.farm.retry(self.farm.store.refusing_writes) or _no_end(
+                    self.farm.retry(self.farm.store.lease_holder)
+                )
+                raise self._overdue(state, job_deadline or 0.0, why)
+            if self._wait_for_token(left):
                 token_seen = True
                 ended = self.farm.retry(lambda: store.ended(self.id))
                 if ended.state in FINAL_STATES:
                     return ended.state, ended
 
-    def _overdue(self, state: str, job_deadline: float) -> JobFailed:
+    def _slice(
+        self,
+        state: str,
+        placed: float | None,
+        job_deadline: float | None,
+        now: float,
+        deadline: float | None,
+        timeout: float | None,
+    ) -> float | None:
+        """How long the next wait of a job that is not final may block; None when the job is
+        overdue (no end recorded well past its deadline). FarmError for a job that is gone,
+        TimeoutError once `timeout` has passed. Shared by the blocking and the async wait."""
+        if not state:
+            raise FarmError(f"no job {self.id} (unknown, or expired)")
+        left = WAIT_SLICE_S if deadline is None else deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"job {self.id} still {state} after {timeout} s")
+        if placed is not None and job_deadline is not None:
+            overdue = now - placed - job_deadline - self.farm.deadline_grace_s
+            if overdue >= 0:
+                return None
+            left = min(left, -overdue + 0.05)
+        return min(left, WAIT_SLICE_S)
+
+    def _overdue(self, state: str, job_deadline: float, why: str) -> JobFailed:
         """The farm recorded no end well past the job's deadline: give up, saying why."""
-        why = self.farm.retry(self.farm.store.refusing_writes) or (
-            "no scheduler recorded it (is one running?)"
-            if self.farm.retry(self.farm.store.lease_holder) is None
-            else "the scheduler did not record it"
-        )
         return JobFailed(
             self.id,
             f"the job is still {state} {self.farm.deadline_grace_s:g} s past its deadline of "
@@ -137,10 +166,46 @@ class Job:
     def result(self, timeout: float | None = None) -> Result:
         """The images; JobFailed / JobCancelled / TimeoutError otherwise."""
         state, ended = self._wait(timeout)
+        if ended is None and state != "cancelled":
+            ended = self.farm.retry(lambda: self.farm.store.ended(self.id))
+        return self._outcome(state, ended)
+
+    async def result_async(self, store: AsyncStore, timeout: float | None = None) -> Result:
+        """`result` for an event loop, over `store` (an AsyncStore of the running loop): the
+        same answers and exceptions, but the wait awaits a notice on the job's events channel
+        (shared pub/sub connection) instead of blocking a thread on the done token."""
+        state = await self._wait_async(store, timeout)
+        ended = None
+        if state != "cancelled":
+            ended = await aretry_transient(lambda: store.ended(self.id), self.farm.retry_s)
+        return self._outcome(state, ended)
+
+    async def _wait_async(self, store: AsyncStore, timeout: float | None) -> str:
+        """The final state: each notice (or bounded slice) is followed by one `watch` read,
+        so a missed notice costs at most a slice, never the answer."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        budget = self.farm.retry_s
+        async with store.listen(self.id) as notice:
+            while True:
+                state, placed, job_deadline, now = await aretry_transient(
+                    lambda: store.watch(self.id), budget
+                )
+                if state in FINAL_STATES:
+                    return state
+                left = self._slice(state, placed, job_deadline, now, deadline, timeout)
+                if left is None:
+                    info = await aretry_transient(store.memory, budget)
+                    why = refusing_writes_reason(info) or _no_end(
+                        await aretry_transient(store.lease_holder, budget)
+                    )
+                    raise self._overdue(state, job_deadline or 0.0, why)
+                await notice.wait(min(left, wait_slice()))
+
+    def _outcome(self, state: str, ended: JobResult | None) -> Result:
+        """The Result of a final job, or the exception that says why there is none."""
         if state == "cancelled":
             raise JobCancelled(self.id)
-        if ended is None:
-            ended = self.farm.retry(lambda: self.farm.store.ended(self.id))
+        assert ended is not None
         rec = ended.record
         if state == "failed":
             est = rec.get("estimate")

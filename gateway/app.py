@@ -2,7 +2,8 @@
 devices, health and
 Prometheus metrics, all over one `Farm` (through its Store; the gateway holds no state of its
 own but the ids of the jobs it submitted, for the status page) and, for what the event loop
-reads itself (server-sent events, health), an `AsyncStore` (sdfarm.store.aio).
+reads itself (waiting for a job's end, server-sent events, health), an `AsyncStore`
+(sdfarm.store.aio) whose one pub/sub connection wakes every waiting request and stream.
 
 `create_app(redis_url, tokens=[...])` returns a FastAPI app; `sdfarm gateway` serves it with
 uvicorn (sdfarm.gateway.cli). This module only wires the parts: the routes

@@ -15,8 +15,9 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
+from starlette.concurrency import run_in_threadpool
 
-from sdfarm.client.farm import Farm, JobFailed
+from sdfarm.client.farm import Farm, Job, JobFailed
 from sdfarm.gateway import a1111
 from sdfarm.gateway.auth import Caller, caller, job_quota, require_token
 from sdfarm.gateway.errors import APIError, _errors, _farm_error
@@ -60,44 +61,54 @@ def _model_for(request: Request, body: dict[str, Any]) -> str:
     return models[0]
 
 
-def _generate(request: Request, body: dict[str, Any], *, img2img: bool) -> dict[str, Any]:
+def _submit(request: Request, body: dict[str, Any], *, img2img: bool) -> tuple[Job, str]:
+    """The job of a txt2img / img2img body, queued, and its model: decoding images and the
+    submit's round trips, run in the threadpool."""
+    farm: Farm = request.app.state.farm
+    fields = a1111.job_fields(body, img2img=img2img)
+    if img2img:
+        fields["init_image"] = decode_image("init_images", fields["init_image"])
+        if "mask_image" in fields:
+            mask = decode_image("mask", fields["mask_image"])
+            fields["mask_image"] = a1111.prepare_mask(
+                mask, bool(body.get("inpainting_mask_invert")), int(body.get("mask_blur") or 0)
+            )
+    model = _model_for(request, body)
+    prompt = fields.pop("prompt")
+    job = farm.submit(
+        model,
+        prompt,
+        owner=caller(request).owner,
+        quota=job_quota(request),
+        submitter="a1111",
+        **fields,
+    )
+    request.app.state.recent.add(job.id)
+    return job, model
+
+
+async def _generate(request: Request, body: dict[str, Any], *, img2img: bool) -> dict[str, Any]:
+    """Submit in the threadpool, then await the job on the event loop (no thread waits)."""
     farm: Farm = request.app.state.farm
     try:
-        fields = a1111.job_fields(body, img2img=img2img)
-        if img2img:
-            fields["init_image"] = decode_image("init_images", fields["init_image"])
-            if "mask_image" in fields:
-                mask = decode_image("mask", fields["mask_image"])
-                fields["mask_image"] = a1111.prepare_mask(
-                    mask, bool(body.get("inpainting_mask_invert")), int(body.get("mask_blur") or 0)
-                )
-        model = _model_for(request, body)
-        prompt = fields.pop("prompt")
-        job = farm.submit(
-            model,
-            prompt,
-            owner=caller(request).owner,
-            quota=job_quota(request),
-            submitter="a1111",
-            **fields,
-        )
-        request.app.state.recent.add(job.id)
-        result = job.result(request.app.state.timeout_s)
+        job, model = await run_in_threadpool(_submit, request, body, img2img=img2img)
+        result = await job.result_async(request.app.state.aio.get(), request.app.state.timeout_s)
     except JobFailed as exc:
-        raise _farm_error(exc, reason=failure_reason(farm, exc.job_id)) from None
+        reason = await run_in_threadpool(failure_reason, farm, exc.job_id)
+        raise _farm_error(exc, reason=reason) from None
     except Exception as exc:  # noqa: BLE001 - every error becomes an HTTP error
         raise _farm_error(exc) from None
     return a1111.answer(result.pngs, result.metadata, model, body)
 
 
 @router.post("/txt2img", responses=_errors(400, 401, 404, 409, 413, 429, 500, 503, 504, 507))
-def txt2img(request: Request, body: Any = Depends(json_body)) -> Any:  # noqa: B008
-    return _generate(request, _object(body), img2img=False)
+async def txt2img(request: Request, body: Any = Depends(json_body)) -> Any:  # noqa: B008
+    return await _generate(request, _object(body), img2img=False)
 
 
 @router.post("/img2img", responses=_errors(400, 401, 404, 409, 413, 429, 500, 503, 504, 507))
-def img2img(request: Request, body: Any = Depends(json_body)) -> Any:  # noqa: B008
-    return _generate(request, _object(body), img2img=True)
+async def img2img(request: Request, body: Any = Depends(json_body)) -> Any:  # noqa: B008
+    return await _generate(request, _object(body), img2img=True)
 
 
 @router.get("/sd-models", responses=_errors(401, 503))

@@ -16,9 +16,10 @@ import re
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 
 from sdfarm.client.farm import Farm, Job
+from sdfarm.gateway import sse
 from sdfarm.gateway.auth import OPEN, Caller, caller, gate, job_quota, require_token
 from sdfarm.gateway.errors import APIError, _errors, _farm_error, scrub_paths
 from sdfarm.gateway.schemas import (
@@ -30,7 +31,6 @@ from sdfarm.gateway.schemas import (
     submit_args,
     upscale_args,
 )
-from sdfarm.gateway.sse import stream
 
 router = APIRouter()
 JOB_ID = re.compile(r"[0-9a-f]{32}")
@@ -177,8 +177,8 @@ def cancel_job(request: Request, job_id: str) -> Any:
     responses={200: {"content": {"text/event-stream": {}}}, **_errors(401, 404, 503)},
 )
 async def job_events(request: Request, job_id: str) -> Any:
-    """Async from end to end: the stream awaits the async store between reads and holds no
-    thread of the pool, however long it stays open."""
+    """Async from end to end: the stream awaits notices of the job's events (pub/sub) and
+    holds no thread of the pool, however long it stays open."""
     if not JOB_ID.fullmatch(job_id):
         raise APIError(404, f"no job {job_id}", param="id", code="job_not_found")
     store = request.app.state.aio.get()
@@ -188,8 +188,4 @@ async def job_events(request: Request, job_id: str) -> Any:
         raise _farm_error(exc) from None
     if not state or not caller(request).may_see(owner):
         raise _not_found(job_id)
-    return StreamingResponse(
-        stream(store, job_id, clean=scrub_paths),
-        media_type="text/event-stream",
-        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-    )
+    return sse.response(store, job_id, clean=scrub_paths)

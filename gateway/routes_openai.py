@@ -8,10 +8,12 @@ work unchanged.
 from __future__ import annotations
 
 import base64
+import functools
 import time
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
+from starlette.concurrency import run_in_threadpool
 
 from sdfarm.client.farm import Farm, JobFailed
 from sdfarm.gateway.auth import caller, gate, job_quota, require_token
@@ -39,11 +41,11 @@ OPENAI_FIELDS = {"n", "size", "response_format", "user"}
     responses=_errors(400, 401, 404, 409, 413, 429, 500, 503, 504, 507),
     openapi_extra=body_doc(ImagesRequest),
 )
-def images_generations(request: Request, body: Any = Depends(json_body)) -> Any:  # noqa: B008
+async def images_generations(request: Request, body: Any = Depends(json_body)) -> Any:  # noqa: B008
     req = parse(ImagesRequest, body)
     _check_format(req.response_format)
     width, height = parse_size(req.size)
-    return _run(request, req, width=width, height=height)
+    return await _run(request, req, width=width, height=height)
 
 
 EDIT_FILES = {
@@ -59,17 +61,17 @@ EDIT_FILES = {
     responses=_errors(400, 401, 404, 409, 413, 429, 500, 503, 504, 507),
     openapi_extra=form_doc(EditRequest, EDIT_FILES, required=(IMAGE,)),
 )
-def images_edits(request: Request, form: EditForm = Depends(form_body)) -> Any:  # noqa: B008
+async def images_edits(request: Request, form: EditForm = Depends(form_body)) -> Any:  # noqa: B008
     req = parse(EditRequest, form.fields)
     _check_format(req.response_format)
-    try:
-        image, refs, mask = checked_images(form)
+    try:  # decoding images is CPU work: off the event loop
+        image, refs, mask = await run_in_threadpool(checked_images, form)
     except Exception as exc:  # noqa: BLE001 - InvalidParameterError names the form's field
         raise _farm_error(exc) from None
     size = (req.size or "").strip().lower()
     width, height = auto_size(image) if size == AUTO_SIZE else parse_size(req.size)
     images = {"init_image": image, "mask_image": mask, "ref_images": refs}
-    return _run(request, req, width=width, height=height, images=images)
+    return await _run(request, req, width=width, height=height, images=images)
 
 
 def _check_format(response_format: str) -> None:
@@ -82,7 +84,7 @@ def _check_format(response_format: str) -> None:
         )
 
 
-def _run(
+async def _run(
     request: Request,
     req: Any,
     *,
@@ -91,20 +93,24 @@ def _run(
     images: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Submit the job of an OpenAI images request (`images`: input images, already bytes),
-    wait for it and answer as OpenAI does: base64 PNGs or signed URLs."""
+    wait for it and answer as OpenAI does: base64 PNGs or signed URLs. The submit (a few
+    quick Redis round trips and the memory estimate) runs in the threadpool; the wait awaits
+    the job's notices on the event loop, so a waiting request holds no thread."""
     values = req.model_dump(exclude=OPENAI_FIELDS)
     values.update(width=width, height=height, batch_count=req.n, submitter=req.user)
     model, prompt, kwargs = submit_args(values)
     kwargs.update(images or {})
     farm: Farm = request.app.state.farm
+    owner, quota = caller(request).owner, job_quota(request)
     try:
-        job = farm.submit(
-            model, prompt, owner=caller(request).owner, quota=job_quota(request), **kwargs
+        job = await run_in_threadpool(
+            functools.partial(farm.submit, model, prompt, owner=owner, quota=quota, **kwargs)
         )
         request.app.state.recent.add(job.id)
-        result = job.result(request.app.state.timeout_s)
+        result = await job.result_async(request.app.state.aio.get(), request.app.state.timeout_s)
     except JobFailed as exc:
-        raise _farm_error(exc, size_param=True, reason=failure_reason(farm, exc.job_id)) from None
+        reason = await run_in_threadpool(failure_reason, farm, exc.job_id)
+        raise _farm_error(exc, size_param=True, reason=reason) from None
     except Exception as exc:  # noqa: BLE001 - every error becomes an OpenAI error
         raise _farm_error(exc, size_param=True) from None
     if req.response_format == "b64_json":

@@ -15,6 +15,7 @@ only ones without a TTL; each is bounded (a capped list, a set of devices, a has
 | `result:{id}` | hash | RESULT_TTL | `png:{i}`, `count`, `meta`, `records` (worker) |
 | `input:{id}` | hash | JOB_TTL, then RESULT_TTL | the job's input images by name (client) |
 | `done:{id}` | list | RESULT_TTL | one token once the job ended; waiters block on it (all) |
+| `events:{id}` channel | pub/sub | - | each event appended to the list, published too (all) |
 | `owned:{owner}` | zset | JOB_TTL | an owner's jobs admitted under a live-jobs quota (client) |
 | `hb:{host}/{device}` | string | HEARTBEAT_TTL | the device's heartbeat (worker) |
 | `leader` | string | the lease | the active scheduler's token (scheduler) |
@@ -69,6 +70,13 @@ def job_key(job_id: str) -> str:
 
 def events_key(job_id: str) -> str:
     return key("events", job_id)
+
+
+def events_channel(job_id: str) -> str:
+    """The pub/sub channel every event of the job is published on (by the scripts' `log`, in
+    the same step that appends it): the events key's own name, so a script needs no more
+    arguments to publish. The gateway's waiters and event streams subscribe to it."""
+    return events_key(job_id)
 
 
 def progress_key(job_id: str) -> str:

@@ -5,8 +5,9 @@ script error) are not transient and go straight up."""
 
 from __future__ import annotations
 
+import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 import redis
@@ -39,4 +40,25 @@ def retry_transient(
             if left <= 0:
                 raise
             sleep(min(delay, left))
+            delay = min(max_delay, delay * 2)
+
+
+async def aretry_transient(
+    fn: Callable[[], Awaitable[T]],
+    budget_s: float = BUDGET_S,
+    first_delay: float = 0.05,
+    max_delay: float = 2.0,
+) -> T:
+    """`await fn()`, as `retry_transient` does for a blocking call: the event loop's waiters
+    ride out a Redis that is briefly away without holding a thread while they back off."""
+    deadline = time.monotonic() + budget_s
+    delay = first_delay
+    while True:
+        try:
+            return await fn()
+        except TRANSIENT:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise
+            await asyncio.sleep(min(delay, left))
             delay = min(max_delay, delay * 2)

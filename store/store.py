@@ -82,6 +82,20 @@ class QuotaExceededError(Exception):
         self.quota = quota
 
 
+def refusing_writes_reason(info: Mapping[str, Any]) -> str | None:
+    """Why a Redis whose INFO memory is `info` refuses writes, in words, else None."""
+    used, limit = int(info.get("used_memory", 0)), int(info.get("maxmemory", 0))
+    policy = info.get("maxmemory_policy", "")
+    if isinstance(policy, bytes):
+        policy = policy.decode()
+    if limit and used >= limit and policy == "noeviction":
+        return (
+            f"the farm's Redis is full: used memory {used} bytes of maxmemory {limit} "
+            f"(policy {policy}), so it refuses every write"
+        )
+    return None
+
+
 @dataclass
 class FarmReading:
     """The farm at one instant, as `snapshot` reads it: the known devices, the live ones'
@@ -219,15 +233,7 @@ class Store:
     def refusing_writes(self) -> str | None:
         """Why Redis refuses writes now, in words (full: used memory above maxmemory with
         noeviction), else None."""
-        info = self.r.info("memory")
-        used, limit = int(info.get("used_memory", 0)), int(info.get("maxmemory", 0))
-        policy = info.get("maxmemory_policy", "")
-        if limit and used >= limit and policy == "noeviction":
-            return (
-                f"the farm's Redis is full: used memory {used} bytes of maxmemory {limit} "
-                f"(policy {policy}), so it refuses every write"
-            )
-        return None
+        return refusing_writes_reason(self.r.info("memory"))
 
     def progress(self, job_id: str) -> dict[str, Any] | None:
         return loads(self.r.get(keys.progress_key(job_id)), None)

@@ -12,9 +12,11 @@ local function live(k, ttl)
   if redis.call('TTL', k) == -1 then redis.call('EXPIRE', k, ttl) end
 end
 
--- Append one event to a job's capped events list.
+-- Append one event to a job's capped events list, and publish it on the channel named like
+-- the list (keys.events_channel): waiters and event streams wake on it instead of polling.
 local function log(events, ev, cap, ttl)
   redis.call('RPUSH', events, ev)
+  redis.call('PUBLISH', events, ev)
   redis.call('LTRIM', events, -tonumber(cap), -1)
   live(events, ttl)
 end

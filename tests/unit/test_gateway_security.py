@@ -57,6 +57,10 @@ class FakeJob:
             raise self.error
         return type("R", (), {"pngs": [b"\x89PNG"]})()
 
+    async def result_async(self, store: Any, timeout: float | None = None) -> Any:
+        """What the async handlers await: the same end as `result`."""
+        return self.result(timeout)
+
 
 class FakeFarm:
     """Submits record the owner; every job ends with `error` (None: one image)."""

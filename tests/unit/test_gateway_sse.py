@@ -1,15 +1,24 @@
-"""The async event stream (sdfarm.gateway.sse) over a fake async store: every event once and in
-order, a trimmed list followed by what is newer, the end on a final event, an expired job, a
-Redis error, keepalives, idle back-off, and many streams sharing one event loop."""
+"""The async event stream (sdfarm.gateway.sse) over a fake async store whose `listen` hands out
+a real Notice that the fake sets when it appends events (what the Redis channel does): every
+event once and in order, a trimmed list followed by what is newer, the end on a final event,
+an expired job, a Redis error; reads happen on notices (not on a timer), a quiet stream reads
+only every state_s; the response's framing and keepalives (sse-starlette); many streams
+sharing one event loop."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
-import time
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
-from sdfarm.gateway.sse import stream
+import httpx
+from starlette.applications import Starlette
+from starlette.routing import Route
+
+from sdfarm.gateway.sse import response, stream
+from sdfarm.store.notices import Notice
 
 
 def ev(kind: str, t: float, **fields: Any) -> bytes:
@@ -17,7 +26,7 @@ def ev(kind: str, t: float, **fields: Any) -> bytes:
 
 
 class FakeStore:
-    """An events list and a state that a script changes as the stream reads."""
+    """An events list, a state, and the notice a published event sets."""
 
     def __init__(self, events: list[bytes], state: str = "queued") -> None:
         self.events = list(events)
@@ -25,13 +34,30 @@ class FakeStore:
         self.reads = 0
         self.state_reads = 0
         self.list_reads = 0
-        self.on_read: Any = None
         self.fail = False
+        self.listen_fails = False
+        self.notice = Notice()
+        self.listening = 0
+
+    @contextlib.asynccontextmanager
+    async def listen(self, job_id: str) -> AsyncIterator[Notice]:
+        if self.listen_fails:
+            raise ConnectionError("Error 111 connecting to /run/redis/redis.sock")
+        self.listening += 1
+        try:
+            yield self.notice
+        finally:
+            self.listening -= 1
+
+    def publish(self, *events: bytes, state: str | None = None) -> None:
+        """Append (and publish) events, as a script's log() does."""
+        self.events += events
+        if state is not None:
+            self.job_state = state
+        self.notice.set()
 
     async def newest_event(self, job_id: str) -> bytes | None:
         self.reads += 1
-        if self.on_read is not None:
-            self.on_read(self)
         if self.fail:
             raise ConnectionError("Error 111 connecting to /run/redis/redis.sock")
         return self.events[-1] if self.events else None
@@ -45,80 +71,112 @@ class FakeStore:
         return list(self.events)
 
 
-def collect(store: FakeStore, **options: Any) -> list[str]:
-    async def run() -> list[str]:
-        out = []
-        async for chunk in stream(store, "j", poll_s=0.001, idle_poll_s=0.004, **options):
-            out.append(chunk.decode())
+Script = Callable[[FakeStore], Awaitable[None]]
+
+
+def collect(store: FakeStore, script: Script | None = None, **options: Any) -> list[dict[str, str]]:
+    """What the stream yields while `script` changes the store."""
+
+    async def run() -> list[dict[str, str]]:
+        task = asyncio.create_task(script(store)) if script else None
+        out = [item async for item in stream(store, "j", **options)]  # type: ignore[arg-type]
+        if task:
+            await task
         return out
 
     return asyncio.run(asyncio.wait_for(run(), 10))
 
 
-def kinds(chunks: list[str]) -> list[str]:
-    return [c.split("\n", 1)[0].removeprefix("event: ") for c in chunks]
+def kinds(items: list[dict[str, str]]) -> list[str]:
+    return [item["event"] for item in items]
 
 
-def test_events_in_order_until_the_final_one() -> None:
+def test_events_in_order_until_the_final_one_read_on_notices_only() -> None:
     store = FakeStore([ev("queued", 1)])
 
-    def script(s: FakeStore) -> None:
-        if s.reads == 3:
-            s.events += [ev("placed", 2), ev("running", 3)]
-        elif s.reads == 6:
-            s.events += [ev("step", 4, step=1), ev("done", 5)]
-            s.job_state = "done"
+    async def script(s: FakeStore) -> None:
+        await asyncio.sleep(0.05)
+        s.publish(ev("placed", 2), ev("running", 3))
+        await asyncio.sleep(0.05)
+        s.publish(ev("step", 4, step=1), ev("done", 5), state="done")
 
-    store.on_read = script
-    assert kinds(collect(store)) == ["queued", "placed", "running", "step", "done"]
-    assert store.list_reads == 3  # the list is read only when its newest event is news
+    items = collect(store, script, state_s=3600)
+    assert kinds(items) == ["queued", "placed", "running", "step", "done"]
+    assert json.loads(items[3]["data"])["step"] == 1
+    # One read at the start and one per notice: no polling in between.
+    assert store.reads == 3 and store.list_reads == 3 and store.state_reads == 0
+    assert store.listening == 0  # unsubscribed at the end
 
 
 def test_a_trimmed_list_continues_after_the_last_event_sent() -> None:
     store = FakeStore([ev("queued", 1), ev("step", 2)])
 
-    def script(s: FakeStore) -> None:
-        if s.reads == 3:  # trimmed past "step" (t=2): only newer ones follow
-            s.events = [ev("step", 1.5), ev("step", 3), ev("failed", 4, error="in /srv/x")]
+    async def script(s: FakeStore) -> None:
+        await asyncio.sleep(0.05)  # trimmed past "step" (t=2): only newer ones follow
+        s.events = [ev("step", 1.5), ev("step", 3)]
+        s.publish(ev("failed", 4, error="in /srv/x"), state="failed")
 
-    store.on_read = script
-    chunks = collect(store, clean=lambda text: text.replace("/srv/x", "<path>"))
-    assert kinds(chunks) == ["queued", "step", "step", "failed"]
-    assert '"t": 3' in chunks[2] and "<path>" in chunks[3] and "/srv" not in chunks[3]
+    items = collect(store, script, clean=lambda text: text.replace("/srv/x", "<path>"))
+    assert kinds(items) == ["queued", "step", "step", "failed"]
+    assert '"t": 3' in items[2]["data"]
+    assert "<path>" in items[3]["data"] and "/srv" not in items[3]["data"]
 
 
 def test_an_expired_job_and_a_redis_error_end_the_stream() -> None:
     assert kinds(collect(FakeStore([], state=""))) == ["expired"]
     assert kinds(collect(FakeStore([], state="done"))) == ["done"]
-    broken = FakeStore([ev("queued", 1)])
-    broken.on_read = lambda s: setattr(s, "fail", s.reads > 2)
-    chunks = collect(broken, clean=lambda text: text.replace("/run/redis/redis.sock", "<path>"))
-    assert kinds(chunks) == ["queued", "error"] and "redis.sock" not in chunks[-1]
+
+    async def breaks(s: FakeStore) -> None:
+        await asyncio.sleep(0.05)
+        s.fail = True
+        s.publish(ev("placed", 2))
+
+    clean = {"clean": lambda text: text.replace("/run/redis/redis.sock", "<path>")}
+    items = collect(FakeStore([ev("queued", 1)]), breaks, **clean)
+    assert kinds(items) == ["queued", "error"] and "redis.sock" not in items[-1]["data"]
+    unsubscribable = FakeStore([ev("queued", 1)])
+    unsubscribable.listen_fails = True
+    items = collect(unsubscribable, **clean)
+    assert kinds(items) == ["error"] and "<path>" in items[0]["data"]
 
 
-def test_keepalives_and_idle_backoff() -> None:
-    store = FakeStore([ev("queued", 1)])
-    t0 = time.monotonic()
-    store.on_read = lambda s: setattr(
-        s, "job_state", "" if time.monotonic() - t0 > 0.2 else "queued"
-    )
-    chunks = collect(store, keepalive_s=0.05, state_s=0.02)
-    assert chunks[0].startswith("event: queued") and chunks[-1].startswith("event: expired")
-    assert chunks.count(": keepalive\n\n") >= 2
-    assert store.reads < 0.2 / 0.001 / 2  # backed off from poll_s towards idle_poll_s
-    assert store.state_reads < store.reads / 2  # the state only now and then
-
-
-def test_the_state_is_read_only_once_the_events_are_gone() -> None:
+def test_a_quiet_stream_reads_only_every_state_s() -> None:
     store = FakeStore([ev("queued", 1)])
 
-    def expire(s: FakeStore) -> None:
-        if s.reads > 30:  # the job's keys expire together
-            s.events, s.job_state = [], ""
+    async def expire(s: FakeStore) -> None:
+        await asyncio.sleep(0.5)  # the job's keys expire together, and publish nothing
+        s.events, s.job_state = [], ""
 
-    store.on_read = expire
-    assert kinds(collect(store, state_s=3600)) == ["queued", "expired"]
-    assert store.state_reads == 1
+    assert kinds(collect(store, expire, state_s=0.1)) == ["queued", "expired"]
+    assert 4 <= store.reads <= 8  # about 0.5 / 0.1, not a poll loop
+    assert store.state_reads <= store.reads
+
+
+def test_the_response_frames_events_and_sends_keepalives() -> None:
+    store = FakeStore([ev("queued", 1)])
+
+    async def endpoint(request: Any) -> Any:
+        return response(store, "j", clean=str, keepalive_s=0.05, state_s=0.1)  # type: ignore[arg-type]
+
+    async def run() -> httpx.Response:
+        async def expire() -> None:
+            await asyncio.sleep(0.4)
+            store.events, store.job_state = [], ""
+
+        task = asyncio.create_task(expire())
+        app = Starlette(routes=[Route("/events", endpoint)])
+        async with httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=app), base_url="http://t"
+        ) as c:
+            r = await c.get("/events")
+        await task
+        return r
+
+    r = asyncio.run(asyncio.wait_for(run(), 10))
+    assert r.headers["content-type"].startswith("text/event-stream")
+    assert r.text.startswith(f"event: queued\ndata: {ev('queued', 1).decode()}\n\n")
+    assert r.text.endswith('event: expired\ndata: {"state": ""}\n\n')
+    assert r.text.count(": keepalive\n\n") >= 2
 
 
 def test_many_streams_share_one_loop() -> None:
@@ -127,10 +185,9 @@ def test_many_streams_share_one_loop() -> None:
 
         async def one(s: FakeStore) -> int:
             n = 0
-            async for _ in stream(s, "j", poll_s=0.001, idle_poll_s=0.01):
+            async for _ in stream(s, "j"):  # type: ignore[arg-type]
                 n += 1
-                s.job_state = "cancelled"
-                s.events.append(ev("cancelled", 2))
+                s.publish(ev("cancelled", 2), state="cancelled")
             return n
 
         return sum(await asyncio.gather(*(one(s) for s in stores)))
