@@ -24,6 +24,8 @@ from sdfarm.scheduler.dispatch import DispatchConfig, Dispatcher, NotLeader
 from sdfarm.scheduler.leader import DEFAULT_TTL_MS, STANDBY_RETRY_S, LeaderLock
 from sdfarm.scheduler.metrics import DEFAULT_PORT, SchedulerMetrics, default_port
 from sdfarm.scheduler.registry import DEFAULT_BACKLOG, DEFAULT_QUEUE_LIMIT
+from sdfarm.scheduler.webhooks import TIMEOUT_S, Deliverer
+from sdfarm.scheduler.webhooks import start as start_webhooks
 from sdfarm.store import Store
 from sdfarm.store.transport import CeleryOutbox
 
@@ -95,6 +97,8 @@ class Service:
         self.stopping = threading.Event()
         self._dispatcher: Dispatcher | None = None
         self._role = ""
+        # Every scheduler runs a deliverer; its take is fenced, so only the leader's sends.
+        self.webhooks = Deliverer(self.store, lambda: self.lock.token, log=self.emit)
 
     def emit(self, kind: str, **fields: Any) -> None:
         self.metrics.events.labels(kind).inc()
@@ -146,6 +150,11 @@ class Service:
     def run(self) -> int:
         import redis
 
+        webhooks = start_webhooks(
+            self.webhooks,
+            self.stopping,
+            on_error=lambda exc: self.emit("redis-error", error=str(exc), part="webhooks"),
+        )
         try:
             while not self.stopping.is_set():
                 try:
@@ -160,6 +169,8 @@ class Service:
                     self._role = ""
                     self.stopping.wait(STANDBY_RETRY_S)
         finally:
+            self.stopping.set()
+            webhooks.join(TIMEOUT_S + 1)  # a try in flight ends within its timeout
             with contextlib.suppress(redis.RedisError):
                 self.lock.release()  # compare-and-delete: a no-op unless the lease is ours
             self.metrics.leader.set(0)
