@@ -1,10 +1,12 @@
-"""Webhooks on a real farm: redis-server, the scheduler service (whose deliverer sends them),
-a CPU worker with the real runtime and the tiny model, and a receiver: an HTTP server on
-127.0.0.1 in this test. The farm's processes and the submitting CLI allow 127.0.0.1
-($SDFARM_WEBHOOK_ALLOW_PRIVATE) and share a secret ($SDFARM_WEBHOOK_SECRET); this test
-process keeps the default policy, so its own submits show the refusal.
+"""Webhooks on a real farm: redis-server, two scheduler services (a leader and a standby,
+each running a deliverer), a CPU worker with the real runtime and the tiny model, and a
+receiver: an HTTP server on 127.0.0.1 in this test. The farm's processes and the submitting
+CLI allow 127.0.0.1 ($SDFARM_WEBHOOK_ALLOW_PRIVATE) and share a secret
+($SDFARM_WEBHOOK_SECRET); this test process keeps the default policy, so its own submits
+show the refusal.
 
-- a job's webhook arrives once, signed, and verifies with sdfarm.client.webhooks.verify;
+- a job's webhook arrives once (not once per scheduler), signed, and verifies with
+  sdfarm.client.webhooks.verify;
 - a receiver that answers 500 twice gets the same event a third time, after the backoff;
 - a webhook to 10.0.0.1 or 127.0.0.1 is refused at submit under the default policy, at
   every door (Farm.submit, the gateway's jobs JSON, the CLI), naming `webhook`.
@@ -96,6 +98,7 @@ def farm(models_dir: Path) -> Iterator[Any]:
         announce=False,
         worker_args=["--memory-limit", "4GiB"],
         env=env,
+        schedulers=2,  # a leader and a standby: only the leader's deliverer sends
     ) as f:
         yield f
 
