@@ -46,7 +46,13 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
-from sdfarm.native.addresses import Resolver, allowed_addresses, default_port, resolve_host
+from sdfarm.native.addresses import (
+    Network,
+    Resolver,
+    allowed_addresses,
+    default_port,
+    resolve_host,
+)
 from sdfarm.native.errors import InvalidParameterError
 from sdfarm.scheduler.signing import DELIVERY_HEADER, EVENT_HEADER, SIGNATURE_HEADER, sign
 from sdfarm.store import Store
@@ -145,11 +151,13 @@ def post(
     *,
     timeout: float = TIMEOUT_S,
     resolve: Resolver = resolve_host,
+    allow: bool | tuple[Network, ...] | None = None,
 ) -> tuple[int | None, str]:
-    """POST `body` to `url` after checking its addresses now: (HTTP status, "") when the
-    receiver answered, (None, why) when the policy refused it or nothing answered."""
+    """POST `body` to `url` after checking its addresses now (`allow`: the policy's allowance,
+    $SDFARM_WEBHOOK_ALLOW_PRIVATE when None): (HTTP status, "") when the receiver answered,
+    (None, why) when the policy refused it or nothing answered."""
     try:
-        found = allowed_addresses("webhook", url, resolve=resolve)
+        found = allowed_addresses("webhook", url, resolve=resolve, allow=allow)
     except InvalidParameterError as exc:
         return None, str(exc)
     parts = urlsplit(url)
@@ -182,7 +190,9 @@ class Outcome:
 
 class Deliverer:
     """Takes, sends and settles due webhooks while this scheduler holds the lease.
-    `token` returns the scheduler's leader token; `log(kind, **fields)` its event lines."""
+    `token` returns the scheduler's leader token; `log(kind, **fields)` its event lines;
+    `resolve` and `allow` are the address policy's resolver and allowance (tests inject
+    them; by default the system's resolver and $SDFARM_WEBHOOK_ALLOW_PRIVATE)."""
 
     def __init__(
         self,
@@ -195,6 +205,7 @@ class Deliverer:
         backoff_s: float = BACKOFF_S,
         timeout_s: float = TIMEOUT_S,
         resolve: Resolver = resolve_host,
+        allow: bool | tuple[Network, ...] | None = None,
     ) -> None:
         self.store = store
         self.token = token
@@ -204,6 +215,7 @@ class Deliverer:
         self.backoff_s = backoff_s
         self.timeout_s = timeout_s
         self.resolve = resolve
+        self.allow = allow
         self._pool = ThreadPoolExecutor(SENDERS, thread_name_prefix="sdfarm-webhook")
 
     def turn(self) -> list[Outcome]:
@@ -229,7 +241,9 @@ class Deliverer:
                 DELIVERY_HEADER: delivery_id(job_id),
                 EVENT_HEADER: f"job.{record.get('state', '')}",
             }
-            status, error = post(url, body, headers, timeout=self.timeout_s, resolve=self.resolve)
+            status, error = post(
+                url, body, headers, timeout=self.timeout_s, resolve=self.resolve, allow=self.allow
+            )
             if status is not None and 200 <= status < 300:
                 self.store.settle_webhook(job_id, "delivered", tries=tries, status=status)
                 self.log("webhook", job=job_id, outcome="delivered", tries=tries)
