@@ -135,8 +135,10 @@ class _PinnedHTTP(http.client.HTTPConnection):
 class _PinnedHTTPS(http.client.HTTPSConnection):
     """As _PinnedHTTP, with TLS: SNI and the certificate check use the URL's host name."""
 
-    def __init__(self, host: str, port: int, address: str, timeout: float) -> None:
-        super().__init__(host, port, timeout=timeout, context=ssl.create_default_context())
+    def __init__(
+        self, host: str, port: int, address: str, timeout: float, context: ssl.SSLContext
+    ) -> None:
+        super().__init__(host, port, timeout=timeout, context=context)
         self.address = address
 
     def connect(self) -> None:
@@ -152,17 +154,23 @@ def post(
     timeout: float = TIMEOUT_S,
     resolve: Resolver = resolve_host,
     allow: bool | tuple[Network, ...] | None = None,
+    tls: ssl.SSLContext | None = None,
 ) -> tuple[int | None, str]:
     """POST `body` to `url` after checking its addresses now (`allow`: the policy's allowance,
-    $SDFARM_WEBHOOK_ALLOW_PRIVATE when None): (HTTP status, "") when the receiver answered,
-    (None, why) when the policy refused it or nothing answered."""
+    $SDFARM_WEBHOOK_ALLOW_PRIVATE when None; `tls`: the certificates trusted, the system's
+    when None): (HTTP status, "") when the receiver answered, (None, why) when the policy
+    refused it or nothing answered (a certificate that does not match included)."""
     try:
         found = allowed_addresses("webhook", url, resolve=resolve, allow=allow)
     except InvalidParameterError as exc:
         return None, str(exc)
     parts = urlsplit(url)
-    kind = _PinnedHTTPS if parts.scheme == "https" else _PinnedHTTP
-    conn = kind(parts.hostname or "", default_port(parts), found[0], timeout)
+    host, port = parts.hostname or "", default_port(parts)
+    conn: http.client.HTTPConnection
+    if parts.scheme == "https":
+        conn = _PinnedHTTPS(host, port, found[0], timeout, tls or ssl.create_default_context())
+    else:
+        conn = _PinnedHTTP(host, port, found[0], timeout)
     target = parts.path or "/"
     if parts.query:
         target += "?" + parts.query
@@ -191,8 +199,9 @@ class Outcome:
 class Deliverer:
     """Takes, sends and settles due webhooks while this scheduler holds the lease.
     `token` returns the scheduler's leader token; `log(kind, **fields)` its event lines;
-    `resolve` and `allow` are the address policy's resolver and allowance (tests inject
-    them; by default the system's resolver and $SDFARM_WEBHOOK_ALLOW_PRIVATE)."""
+    `resolve` and `allow` are the address policy's resolver and allowance, `tls` the
+    certificates trusted (tests inject them; by default the system's resolver,
+    $SDFARM_WEBHOOK_ALLOW_PRIVATE and the system's CA store)."""
 
     def __init__(
         self,
@@ -206,6 +215,7 @@ class Deliverer:
         timeout_s: float = TIMEOUT_S,
         resolve: Resolver = resolve_host,
         allow: bool | tuple[Network, ...] | None = None,
+        tls: ssl.SSLContext | None = None,
     ) -> None:
         self.store = store
         self.token = token
@@ -216,6 +226,7 @@ class Deliverer:
         self.timeout_s = timeout_s
         self.resolve = resolve
         self.allow = allow
+        self.tls = tls
         self._pool = ThreadPoolExecutor(SENDERS, thread_name_prefix="sdfarm-webhook")
 
     def turn(self) -> list[Outcome]:
@@ -242,7 +253,13 @@ class Deliverer:
                 EVENT_HEADER: f"job.{record.get('state', '')}",
             }
             status, error = post(
-                url, body, headers, timeout=self.timeout_s, resolve=self.resolve, allow=self.allow
+                url,
+                body,
+                headers,
+                timeout=self.timeout_s,
+                resolve=self.resolve,
+                allow=self.allow,
+                tls=self.tls,
             )
             if status is not None and 200 <= status < 300:
                 self.store.settle_webhook(job_id, "delivered", tries=tries, status=status)

@@ -2,15 +2,21 @@
 receivers on 127.0.0.1, with the address policy's resolver and allowance injected: the
 connection goes to the address that was checked (the name is never looked up again), a name
 that now resolves to a private address is refused at delivery (DNS rebinding), a redirect is
-not followed, the tries end in a recorded failure, and without a secret nothing is sent."""
+not followed, TLS checks the certificate against the URL's host although the connection
+goes to an address, the tries end in a recorded failure, and without a secret nothing is
+sent."""
 
 from __future__ import annotations
 
 import ipaddress
 import json
+import shutil
+import ssl
+import subprocess
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -27,7 +33,9 @@ LOOPBACK = (ipaddress.ip_network("127.0.0.1/32"),)
 class Receiver:
     """Records each request's headers and body; answers `status` (with `location` if set)."""
 
-    def __init__(self, status: int = 200, location: str = "") -> None:
+    def __init__(
+        self, status: int = 200, location: str = "", tls: ssl.SSLContext | None = None
+    ) -> None:
         self.got: list[tuple[dict[str, str], bytes]] = []
         receiver = self
 
@@ -45,6 +53,8 @@ class Receiver:
                 pass
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        if tls is not None:
+            self.server.socket = tls.wrap_socket(self.server.socket, server_side=True)
         self.port = self.server.server_address[1]
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
@@ -152,5 +162,37 @@ def test_a_standby_delivers_nothing(store: Store) -> None:
         standby = Deliverer(store, lambda: "standby", secret=SECRET, allow=LOOPBACK)
         assert standby.turn() == [] and r.got == []
         assert len(deliverer(store, lambda host, port: [host]).turn()) == 1 and len(r.got) == 1
+    finally:
+        r.close()
+
+
+def self_signed(folder: Path, name: str) -> tuple[Path, Path]:
+    """A certificate for DNS name `name` and its key, made by the openssl command."""
+    cert, key = folder / "cert.pem", folder / "key.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+         "-subj", f"/CN={name}", "-addext", f"subjectAltName=DNS:{name}",
+         "-keyout", str(key), "-out", str(cert)],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    return cert, key
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")
+def test_tls_checks_the_certificate_against_the_url_host(store: Store, tmp_path: Path) -> None:
+    cert, key = self_signed(tmp_path, "hooks.test")
+    server_tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    server_tls.load_cert_chain(cert, key)
+    trust = ssl.create_default_context(cafile=str(cert))
+    r = Receiver(tls=server_tls)
+    try:
+        to_loopback = lambda host, port: ["127.0.0.1"]  # noqa: E731
+        good = ended_job(store, f"https://hooks.test:{r.port}/in")
+        [out] = deliverer(store, to_loopback, tls=trust).turn()
+        assert (out.job_id, out.outcome) == (good, "delivered") and len(r.got) == 1
+        ended_job(store, f"https://other.test:{r.port}/in")  # the certificate is not for it
+        [out] = deliverer(store, to_loopback, tls=trust).turn()
+        assert out.outcome == "retry" and "certificate" in out.error.lower(), out
+        assert len(r.got) == 1
     finally:
         r.close()
