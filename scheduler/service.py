@@ -1,6 +1,7 @@
 """`sdfarm scheduler`: the dispatch loop as leader, or a standby waiting for the lease.
 
-Run as many as you like (one per host for failover); exactly one dispatches. SIGTERM and
+Run as many as you like (one per host for failover); exactly one dispatches, and only its
+webhook deliverer (a thread of every service, sdfarm.scheduler.webhooks) sends. SIGTERM and
 SIGINT finish the current cycle, release the lease (a standby takes over within half a second
 instead of waiting out the TTL) and exit 0. With --json every state change is one JSON line on
 stdout (`leader`, `standby`, `requeued`, `poisoned`, `refused`, `stopped`, ...); otherwise the

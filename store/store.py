@@ -18,6 +18,8 @@ A job's life, one named transition each (every one also appends an event):
    poison. forget: a stale running entry is removed.
 6. cancel (client): a queued job ends at once; a placed or running one gets a request its
    worker acts on (master-596 has no cancel call: the worker ends its own process).
+7. webhooks (the leader scheduler): every ending above queues the job's webhook in the same
+   script; take_webhooks (fenced, with a lease: at least once) and settle_webhook deliver it.
 """
 
 from __future__ import annotations
