@@ -120,3 +120,22 @@ def test_the_job_schema_refuses_a_private_webhook_under_the_default_policy(monke
         with pytest.raises(InvalidParameterError) as info:
             check_options(JobOptions(webhook=url))
         assert info.value.parameter == "webhook" and str(info.value).startswith("invalid webhook")
+
+
+def test_every_door_takes_the_webhook_option(monkeypatch) -> None:
+    """The CLI's generate and batch flags and a batch's options come from the job schema, so
+    `webhook` is one of them and gets the same check."""
+    from sdfarm.cli.main import build_parser
+    from sdfarm.client.batch import batch_options
+
+    monkeypatch.delenv("SDFARM_WEBHOOK_ALLOW_PRIVATE", raising=False)
+    parser = build_parser()
+    for argv in (
+        ["generate", "p", "--model", "m"],
+        ["batch", "f.txt", "--out", "o", "--model", "m"],
+    ):
+        args = parser.parse_args([*argv, "--webhook", "https://hooks.example/x"])
+        assert args.webhook == "https://hooks.example/x"
+    with pytest.raises(InvalidParameterError) as info:
+        batch_options({"webhook": "http://10.0.0.1/hook"})
+    assert info.value.parameter == "webhook"
