@@ -1,9 +1,9 @@
 """`sdfarm batch FILE --out DIR`: a file of prompts rendered into a folder on the running farm
 (else a private local one), with a progress bar; finished images are never redone.
 
-Every job option the user gave (priority, submitter, deadline_s: `given_options`) goes to each
-job; a batch's priority is 9 unless given. Exit codes: 0 every item rendered (or already
-there); 1 some items failed (each for its own reason, listed in the summary); 2 the input or
+Every job option the user gave (priority, submitter, deadline_s, webhook: `given_options`)
+goes to each job; a batch's priority is 9 unless given. Exit codes: 0 every item rendered (or
+already there); 1 some items failed (each for its own reason, listed in the summary); 2 the input or
 the flags are invalid (nothing queued); 6 (EXIT_FARM) the farm could not be reached, or the
 batch stopped because it could not go on (Redis away past the retry budget, or full); 7
 (EXIT_OUTPUT) the batch stopped because the output folder refused a write (a full disk). A

@@ -257,7 +257,7 @@ def add_farm_commands(sub: Any) -> None:
     _models_arg(b, "model directories, used only to start a local farm when none runs")
     b.add_argument("--format", choices=("text", "csv", "jsonl"), default=None)
     add_param_flags(b, defaults=False)
-    add_option_flags(b, "priority", "submitter", "deadline_s")
+    add_option_flags(b, "priority", "submitter", "deadline_s", "webhook")
     b.add_argument(  # checked by cmd_batch, so that --json still answers with one document
         "--in-flight", type=int, default=8, help="jobs queued on the farm at once (1 or more)"
     )

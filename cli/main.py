@@ -162,7 +162,7 @@ def add_generation_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("-o", "--output", default="out.png")
     add_param_flags(p)
-    add_option_flags(p, "log_level", "log_prompts", "priority", "deadline_s")
+    add_option_flags(p, "log_level", "log_prompts", "priority", "deadline_s", "webhook")
     p.add_argument("--device", default="auto", help="auto, gpu, cpu or a device name")
     p.add_argument(
         "--no-check-memory",

@@ -58,7 +58,7 @@ def add_param_flags(parser: argparse.ArgumentParser, *, defaults: bool = True) -
 
 
 def add_option_flags(parser: argparse.ArgumentParser, *names: str) -> None:
-    """Flags for the job options `names` (priority, submitter, log_level, log_prompts)."""
+    """Flags for the job options `names` (priority, submitter, log_level, webhook, ...)."""
     for p in OPTIONS:
         if p.name in names:
             _add(parser, p, p.default if p.kind == "bool" else None)

@@ -3,7 +3,7 @@ upscale job's (sdfarm.native.upscale_params).
 
 No parameter is listed here: `JobRequest` and `ImagesRequest` are built with
 `pydantic.create_model` from `PARAMS`, `UpscaleRequest` from `UPSCALE_PARAMS` (and each takes
-the options priority and submitter from `OPTIONS`),
+the options priority, submitter and webhook from `OPTIONS`),
 so a new generation parameter reaches both endpoints and the OpenAPI document with no change
 here. Pydantic checks the types only; the ranges are `Param.check`'s (run by `Farm.submit`), so
 a bad value gets the one error text every door gives, and they are written into the JSON
@@ -22,6 +22,7 @@ from fastapi import Request
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
 from sdfarm.gateway.errors import APIError, validation_error
+from sdfarm.native.addresses import MAX_URL_CHARS
 from sdfarm.native.errors import InvalidParameterError
 from sdfarm.native.params import BY_NAME, IMAGE_PARAMS, OPTIONS, PARAMS, Param
 from sdfarm.native.upscale_params import UPSCALE_PARAMS
@@ -45,6 +46,8 @@ def schema_rules(p: Param) -> dict[str, Any]:
         return {"enum": list(p.choices)}
     if p.kind == "text":
         return {"maxLength": p.max_chars} if p.max_chars else {}
+    if p.kind == "url":
+        return {"maxLength": MAX_URL_CHARS}
     if p.lo is None:
         return {}
     rules: dict[str, Any] = {"minimum": p.lo, "maximum": p.hi}
@@ -93,6 +96,7 @@ JobRequest: type[BaseModel] = create_model(
     **{p.name: _field(p) for p in PARAMS},
     priority=_option("priority"),
     submitter=_option("submitter", help="the name fair share counts the job for"),
+    webhook=_option("webhook"),
 )
 ImagesRequest: type[BaseModel] = create_model(
     "ImagesRequest",
@@ -114,6 +118,7 @@ ImagesRequest: type[BaseModel] = create_model(
     user=_option("submitter", help="who fair share counts the job for"),
     **{p.name: _field(p) for p in PARAMS if p.name not in ("prompt", *CARRIED)},
     priority=_option("priority"),
+    webhook=_option("webhook"),
 )
 EditRequest: type[BaseModel] = create_model(
     "EditRequest",

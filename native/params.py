@@ -29,7 +29,7 @@ from collections.abc import Mapping
 from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from typing import Any
 
-from sdfarm.native import images
+from sdfarm.native import addresses, images
 from sdfarm.native.errors import InvalidParameterError
 from sdfarm.native.logs import LEVELS
 
@@ -136,9 +136,10 @@ WHOLE_IMAGE = "the whole image at once, the most memory"
 @dataclass(frozen=True)
 class Param:
     """How one parameter is typed, bounded and explained. `kind` is text, int, float, bool,
-    choice, image (PNG/JPEG/WebP bytes, sdfarm.native.images) or images (a list of them, at
-    most `hi`); `lo`..`hi` bound numbers (`unit` names them in errors); `step` is a multiple
-    ints must be; `choices` lists a choice's values; `auto` is a value outside the range that
+    choice, url (a webhook's, checked by sdfarm.native.addresses, which resolves its host),
+    image (PNG/JPEG/WebP bytes, sdfarm.native.images) or images (a list of them, at most
+    `hi`); `lo`..`hi` bound numbers (`unit` names them in errors); `step` is a multiple ints
+    must be; `choices` lists a choice's values; `auto` is a value outside the range that
     means "pick one" (seed -1). Text is bounded by `max_chars` characters and `max_bytes`
     UTF-8 bytes; `limit_why` says why, in the error."""
 
@@ -172,6 +173,7 @@ class Param:
             "image": bytes,
             "images": bytes,
             "loras": str,
+            "url": str,
         }[self.kind]
 
     @property
@@ -181,6 +183,11 @@ class Param:
             return "one of " + ", ".join(self.choices)
         if self.kind == "bool":
             return "true or false"
+        if self.kind == "url":
+            return (
+                f"an http(s) URL of at most {addresses.MAX_URL_CHARS} characters whose host is "
+                "a public address; empty for none"
+            )
         if self.kind == "loras":
             return (
                 f"up to {_num(self.hi)} NAME:WEIGHT pairs, each weight "
@@ -209,6 +216,8 @@ class Param:
             return _text(self.name, value, self.max_chars, self.max_bytes, self.limit_why)
         if self.kind == "image":
             return None if value is None else images.check_image(self.name, value)
+        if self.kind == "url":
+            return addresses.check_url(self.name, value)
         if self.kind == "loras":
             return _loras(self.name, value, int(self.hi or 0))
         if self.kind == "images":
@@ -379,7 +388,7 @@ class GenerationParams:
 @dataclass(frozen=True)
 class JobOptions:
     """How the farm treats a job, beside what it draws: its place in the queue, who fair
-    share counts it for, and the runtime's log records it keeps."""
+    share counts it for, the runtime's log records it keeps, and who is told when it ends."""
 
     priority: int = param("int", 5, "placement order: 0 (interactive, first) .. 9 (batch)",
                           lo=0, hi=9)  # fmt: skip
@@ -400,6 +409,12 @@ class JobOptions:
         "worker stops it",
         lo=1.0,
         hi=7 * 24 * 3600.0,
+    )
+    webhook: str = param(
+        "url",
+        "",
+        "a URL the farm POSTs the job's outcome to when it ends (done, failed or cancelled), "
+        "signed with the farm's webhook secret",
     )
 
 

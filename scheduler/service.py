@@ -1,6 +1,7 @@
 """`sdfarm scheduler`: the dispatch loop as leader, or a standby waiting for the lease.
 
-Run as many as you like (one per host for failover); exactly one dispatches. SIGTERM and
+Run as many as you like (one per host for failover); exactly one dispatches, and only its
+webhook deliverer (a thread of every service, sdfarm.scheduler.webhooks) sends. SIGTERM and
 SIGINT finish the current cycle, release the lease (a standby takes over within half a second
 instead of waiting out the TTL) and exit 0. With --json every state change is one JSON line on
 stdout (`leader`, `standby`, `requeued`, `poisoned`, `refused`, `stopped`, ...); otherwise the
@@ -24,6 +25,8 @@ from sdfarm.scheduler.dispatch import DispatchConfig, Dispatcher, NotLeader
 from sdfarm.scheduler.leader import DEFAULT_TTL_MS, STANDBY_RETRY_S, LeaderLock
 from sdfarm.scheduler.metrics import DEFAULT_PORT, SchedulerMetrics, default_port
 from sdfarm.scheduler.registry import DEFAULT_BACKLOG, DEFAULT_QUEUE_LIMIT
+from sdfarm.scheduler.webhooks import TIMEOUT_S, Deliverer
+from sdfarm.scheduler.webhooks import start as start_webhooks
 from sdfarm.store import Store
 from sdfarm.store.transport import CeleryOutbox
 
@@ -95,6 +98,8 @@ class Service:
         self.stopping = threading.Event()
         self._dispatcher: Dispatcher | None = None
         self._role = ""
+        # Every scheduler runs a deliverer; its take is fenced, so only the leader's sends.
+        self.webhooks = Deliverer(self.store, lambda: self.lock.token, log=self.emit)
 
     def emit(self, kind: str, **fields: Any) -> None:
         self.metrics.events.labels(kind).inc()
@@ -146,6 +151,11 @@ class Service:
     def run(self) -> int:
         import redis
 
+        webhooks = start_webhooks(
+            self.webhooks,
+            self.stopping,
+            on_error=lambda exc: self.emit("redis-error", error=str(exc), part="webhooks"),
+        )
         try:
             while not self.stopping.is_set():
                 try:
@@ -160,6 +170,8 @@ class Service:
                     self._role = ""
                     self.stopping.wait(STANDBY_RETRY_S)
         finally:
+            self.stopping.set()
+            webhooks.join(TIMEOUT_S + 1)  # a try in flight ends within its timeout
             with contextlib.suppress(redis.RedisError):
                 self.lock.release()  # compare-and-delete: a no-op unless the lease is ours
             self.metrics.leader.set(0)

@@ -31,6 +31,7 @@ only ones without a TTL; each is bounded (a capped list, a set of devices, a has
 | `prefs` | hash | - | `{owner}:{name}` -> a caller's setting, e.g. its default model (gateway) |
 | `metrics:jobs` | hash | - | kind, model, device (joined by a bar) -> jobs counted as they happen |
 | `metrics:seconds` | hash | - | histogram, model, device, bucket or `sum` -> counts, sums |
+| `webhooks` | zset | - | job id -> when its webhook's next try is due (all; scheduler) |
 
 The Celery queues (`sdfarm.{host}.{device}` and kombu's priority lists) are named in
 `sdfarm.store.transport`, the one module that knows Celery's wire format.
@@ -153,6 +154,14 @@ METRICS_SECONDS_KEY = key("metrics", "seconds")
 METRICS_KEYS = (METRICS_JOBS_KEY, METRICS_SECONDS_KEY)
 """The farm's counters and histograms (`sdfarm.store.metrics`): the transition scripts that
 count take them as their last two KEYS. Bounded: at most METRICS_SERIES_CAP series each."""
+WEBHOOKS_KEY = key("webhooks")
+"""Ended jobs whose webhook is not delivered yet: job id -> when its next try is due (Redis
+clock). The scripts that end a job add it in the same step (`notify` in prelude.lua); the
+leader scheduler takes, sends and settles them (sdfarm.scheduler.webhooks). An entry leaves
+once delivered, once its last try failed, or when its job's record expired."""
+WEBHOOKS_CAP = 10_000
+"""Webhooks the queue may hold; a job ending while it is full gets a failed delivery event
+(a farm whose receivers are all down, or with no scheduler, cannot grow it without bound)."""
 METRICS_SERIES_CAP = 2000
 """Series (kind or histogram, model, device) each metrics hash may hold; past it a new model
 name is counted as `_other` (a client naming models at random cannot grow them)."""
@@ -168,6 +177,7 @@ FARM_WIDE = (
     PREFS_KEY,
     METRICS_JOBS_KEY,
     METRICS_SECONDS_KEY,
+    WEBHOOKS_KEY,
 )
 """The keys without a TTL (a name, or a prefix ending in ':'), each bounded as the table says."""
 

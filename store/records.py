@@ -168,6 +168,7 @@ class JobSpec:
     log_level: str = "none"
     log_prompts: bool = False
     deadline_s: float = 3600.0
+    webhook: str = ""
     # Set by the farm, not by the caller:
     owner: str = ""
     test_hook: str | None = None
@@ -191,6 +192,7 @@ def new_job_record(job_id: str, spec: JobSpec) -> dict[str, str]:
         "owner": spec.owner,
         "state": "queued",
         "deadline": repr(float(spec.deadline_s)),
+        "webhook": spec.webhook,
         "estimate": "",
         "attempts": "0",
         "device": "",

@@ -4,7 +4,7 @@ connection.
 Every state change of a job is one script: Redis runs it atomically, so two parties racing
 for a job (a worker's finish and the scheduler's requeue, a cancel and a placement) can never
 interleave. `prelude.lua` holds the helpers the scripts share and is put in front of each,
-after the metrics constants (`sdfarm.store.metrics.lua_constants`).
+after the metrics constants (`sdfarm.store.metrics.lua_constants`) and WEBHOOKS_CAP.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from functools import cache
 from importlib.resources import files
 from typing import Any
 
+from sdfarm.store.keys import WEBHOOKS_CAP
 from sdfarm.store.metrics import lua_constants
 
 NAMES = (
@@ -33,6 +34,8 @@ NAMES = (
     "finish",
     "lease_renew",
     "lease_release",
+    "webhook_take",
+    "webhook_settle",
 )
 
 
@@ -41,7 +44,8 @@ def source(name: str) -> str:
     """The script `name` with the metrics constants and the prelude in front."""
     lua = files("sdfarm.store") / "lua"
     prelude = (lua / "prelude.lua").read_text()
-    return lua_constants() + prelude + "\n" + (lua / f"{name}.lua").read_text()
+    constants = lua_constants() + f"local WEBHOOKS_CAP = {WEBHOOKS_CAP}\n"
+    return constants + prelude + "\n" + (lua / f"{name}.lua").read_text()
 
 
 def register(client: Any) -> dict[str, Any]:

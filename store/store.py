@@ -19,6 +19,8 @@ A job's life, one named transition each (every one also appends an event):
    poison. forget: a stale running entry is removed.
 6. cancel (client): a queued job ends at once; a placed or running one gets a request its
    worker acts on (master-596 has no cancel call: the worker ends its own process).
+7. webhooks (the leader scheduler): every ending above queues the job's webhook in the same
+   script; take_webhooks (fenced, with a lease: at least once) and settle_webhook deliver it.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ from sdfarm.store.keys import (
     RESULT_TTL,
     WAKE_CAP,
     WAKE_KEY,
+    WEBHOOKS_KEY,
 )
 from sdfarm.store.records import (
     FINAL_STATES,
@@ -186,6 +189,7 @@ class Store:
                     keys.cancel_key(job_id),
                     keys.pending_key(int(priority)),
                     *METRICS_KEYS,
+                    WEBHOOKS_KEY,
                 ],
                 args=[job_id, event("cancelled", by=by), EVENTS_CAP, RESULT_TTL],
             )
@@ -453,6 +457,7 @@ class Store:
                     keys.done_key(job_id),
                     LEADER_KEY,
                     *METRICS_KEYS,
+                    WEBHOOKS_KEY,
                 ],
                 args=[
                     token,
@@ -496,6 +501,7 @@ class Store:
                     LEADER_KEY,
                     keys.cancel_key(job_id),
                     *METRICS_KEYS,
+                    WEBHOOKS_KEY,
                 ],
                 args=[
                     token,
@@ -532,6 +538,7 @@ class Store:
                     LEADER_KEY,
                     keys.cancel_key(job_id),
                     *METRICS_KEYS,
+                    WEBHOOKS_KEY,
                 ],
                 args=[
                     token,
@@ -720,6 +727,7 @@ class Store:
                     keys.cancel_key(job_id),
                     *METRICS_KEYS,
                     keys.preview_key(job_id),
+                    WEBHOOKS_KEY,
                 ],
                 args=[
                     dispatch,
@@ -743,6 +751,44 @@ class Store:
                 ],
             )
         )
+
+    # -- webhooks (the leader scheduler; sdfarm.scheduler.webhooks) ------------------------------
+
+    def take_webhooks(self, token: str, lease_s: float, most: int) -> list[tuple[str, int]]:
+        """The due webhooks as (job id, this try's number), each hidden from the next take
+        for `lease_s` seconds (the try's time to be sent and settled); a token that does not
+        hold the leader lease takes nothing ([]): a standby never sends."""
+        out = self._lua["webhook_take"](
+            keys=[WEBHOOKS_KEY, LEADER_KEY], args=[token, lease_s, most, keys.JOB_PREFIX]
+        )
+        if not isinstance(out, list):
+            return []
+        return [(decode(out[i]), int(out[i + 1])) for i in range(0, len(out), 2)]
+
+    def settle_webhook(
+        self, job_id: str, outcome: str, delay_s: float = 0.0, **event_fields: Any
+    ) -> bool:
+        """One try's outcome: `retry` (due again in `delay_s`), `delivered` or `failed` (the
+        last try), with a `webhook` job event; False when it was no longer queued."""
+        if outcome not in ("retry", "delivered", "failed"):
+            raise ValueError(f"not a webhook outcome: {outcome!r}")
+        return bool(
+            self._lua["webhook_settle"](
+                keys=[WEBHOOKS_KEY, keys.job_key(job_id), keys.events_key(job_id)],
+                args=[
+                    job_id,
+                    outcome,
+                    delay_s,
+                    event("webhook", outcome=outcome, **event_fields),
+                    EVENTS_CAP,
+                    RESULT_TTL,
+                ],
+            )
+        )
+
+    def webhooks_queued(self) -> dict[str, float]:
+        """{job id: when its next try is due} of every queued webhook (tests, operators)."""
+        return {decode(k): float(v) for k, v in self.r.zrange(WEBHOOKS_KEY, 0, -1, withscores=True)}
 
     # -- heartbeats and queues (the worker) ----------------------------------------------------
 

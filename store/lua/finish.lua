@@ -2,9 +2,11 @@
 -- the final state, its running entry, the done token and the event, in one round trip. A job
 -- that is no longer ours (re-placed, or ended by someone else) is left alone. It wakes the
 -- scheduler only when jobs are pending: a freed slot is news only to them.
--- It counts the end and observes the job's end-to-end, load and generate seconds.
+-- It counts the end and observes the job's end-to-end, load and generate seconds, and queues
+-- the job's webhook.
 -- KEYS: job, result, done, events, running, wake, progress, recent, pending count, cancel,
---       job counters, seconds, preview (the latest preview: the result supersedes it)
+--       job counters, seconds, preview (the latest preview: the result supersedes it),
+--       webhooks
 -- ARGV: dispatch, state, error, ended, event, events cap, finished ttl, job id, meta,
 --       records, count, wake cap, recent cap, load seconds ('' when the job loaded
 --       nothing), generate seconds ('' when none), n (how many job field ARGVs follow), the n
@@ -48,6 +50,7 @@ if ARGV[2] == 'done' then
 end
 local labels = redis.call('HMGET', KEYS[1], 'model', 'device')
 count_end(KEYS[1], ARGV[2], KEYS[11], KEYS[12])
+notify(KEYS[1], KEYS[4], KEYS[14], ARGV[6], ttl)
 observe(KEYS[12], 'load', labels[1], labels[2], tonumber(ARGV[14]))
 observe(KEYS[12], 'generate', labels[1], labels[2], tonumber(ARGV[15]))
 return 1

@@ -80,13 +80,30 @@ local function count_end(job, state, counters, seconds)
   observe(seconds, 'end_to_end', f[1], f[2], since_created(job))
 end
 
+-- A job that ended with a webhook: its id goes into the delivery queue `hooks` (a zset of
+-- job id -> when its next try is due), due now, in the same step as the transition, so an
+-- ended job is never left untold (sdfarm.scheduler.webhooks sends it). The queue is farm-wide
+-- and bounded (WEBHOOKS_CAP, put in front by scripts.py): when full, the job gets a failed
+-- delivery event instead.
+local function notify(job, events, hooks, cap, ttl)
+  local f = redis.call('HMGET', job, 'webhook', 'id')
+  if not f[1] or f[1] == '' or not f[2] then return end
+  if redis.call('ZCARD', hooks) >= WEBHOOKS_CAP then
+    log(events, cjson.encode({event = 'webhook', outcome = 'failed', tries = 0,
+      error = "the farm's webhook queue is full", t = tonumber(now())}), cap, ttl)
+    return
+  end
+  redis.call('ZADD', hooks, 'NX', now(), f[2])
+end
+
 -- A job ends without a result: final state, event, the done token, the finished TTL on every
--- key it has, and the metrics.
-local function ended(job, events, done, state, ev, cap, ttl, counters, seconds)
+-- key it has, the metrics, and its webhook queued.
+local function ended(job, events, done, state, ev, cap, ttl, counters, seconds, hooks)
   redis.call('HSET', job, 'state', state, 'ended', now())
   log(events, ev, cap, ttl)
   redis.call('RPUSH', done, state)
   for _, k in ipairs({job, events, done}) do redis.call('EXPIRE', k, ttl) end
   expire_inputs(job, ttl)
   count_end(job, state, counters, seconds)
+  notify(job, events, hooks, cap, ttl)
 end

@@ -2,7 +2,7 @@
 -- dispatch id, or fails as poison after `max attempts` lost runs, or ends cancelled when a
 -- cancel was asked for meanwhile.
 -- KEYS: job, running hash, pending list, pending count, events, done, leader, cancel,
---       job counters, seconds
+--       job counters, seconds, webhooks
 -- ARGV: token, id, expected state, expected dispatch, new dispatch, count attempt (0/1),
 --       max attempts, device, retried event, failed event, cancelled event, poison error,
 --       events cap, finished ttl, job ttl
@@ -13,7 +13,7 @@ local dispatch = redis.call('HGET', KEYS[1], 'dispatch')
 if state ~= ARGV[3] or dispatch ~= ARGV[4] then return 0 end
 redis.call('HDEL', KEYS[2], ARGV[2])
 if redis.call('EXISTS', KEYS[8]) == 1 then
-  ended(KEYS[1], KEYS[5], KEYS[6], 'cancelled', ARGV[11], ARGV[13], ARGV[14], KEYS[9], KEYS[10])
+  ended(KEYS[1], KEYS[5], KEYS[6], 'cancelled', ARGV[11], ARGV[13], ARGV[14], KEYS[9], KEYS[10], KEYS[11])
   return 3
 end
 if ARGV[6] == '1' then
@@ -23,7 +23,7 @@ if ARGV[6] == '1' then
   redis.call('HSET', KEYS[1], 'lost_on', lost)
   if attempts >= tonumber(ARGV[7]) then
     redis.call('HSET', KEYS[1], 'error', ARGV[12])
-    ended(KEYS[1], KEYS[5], KEYS[6], 'failed', ARGV[10], ARGV[13], ARGV[14], KEYS[9], KEYS[10])
+    ended(KEYS[1], KEYS[5], KEYS[6], 'failed', ARGV[10], ARGV[13], ARGV[14], KEYS[9], KEYS[10], KEYS[11])
     return 2
   end
 end

@@ -52,9 +52,9 @@ def test_a_bad_side_gets_the_schemas_own_error_text() -> None:
 
 
 def test_request_models_are_the_job_schema() -> None:
-    assert list(JobRequest.model_fields) == ["model", *NAMES, "priority", "submitter"]
+    assert list(JobRequest.model_fields) == ["model", *NAMES, "priority", "submitter", "webhook"]
     carried = {"width", "height", "batch_count"}
-    openai_fields = {"model", "n", "size", "response_format", "user", "priority"}
+    openai_fields = {"model", "n", "size", "response_format", "user", "priority", "webhook"}
     assert set(ImagesRequest.model_fields) == openai_fields | (set(NAMES) - carried)
     for name in NAMES:
         p, field = BY_NAME[name], JobRequest.model_fields[name]
