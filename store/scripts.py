@@ -32,6 +32,9 @@ NAMES = (
     "finish",
     "lease_renew",
     "lease_release",
+    "results_reserve",
+    "results_release",
+    "delete",
 )
 
 

@@ -654,6 +654,7 @@ class Store:
         meta: dict[str, Any] | None = None,
         records: list[dict[str, Any]] | None = None,
         pngs: list[bytes] | None = None,
+        count: int | None = None,
         job_fields: dict[str, str] | None = None,
         load_s: float | None = None,
         generate_s: float | None = None,
@@ -664,8 +665,10 @@ class Store:
         `meta` is given, `job_fields` in the record (a worker's memory refusal writes
         `figures` and `estimate` there, as placement's refusal does). `load_s` (a load this
         job waited for) and `generate_s` are observed in the farm's histograms, in the same
-        step that counts the end (sdfarm.store.metrics). False when the job is no longer
-        running under `dispatch`."""
+        step that counts the end (sdfarm.store.metrics). `count`: how many images the job
+        has when they live in another result store than Redis (`pngs` then empty; the
+        record's `results` field says where). False when the job is no longer running under
+        `dispatch`."""
         if state not in FINAL_STATES:
             raise ValueError(f"not a final state: {state!r}")
         if error:
@@ -698,7 +701,7 @@ class Store:
                     job_id,
                     "" if meta is None else json.dumps(meta, default=str),
                     json.dumps(records or []),
-                    len(pngs or []),
+                    len(pngs or []) if count is None else count,
                     WAKE_CAP,
                     RECENT_CAP,
                     _seconds(load_s),
@@ -707,6 +710,35 @@ class Store:
                     *extra,
                     *images,
                 ],
+            )
+        )
+
+    # -- the Redis result store's total (sdfarm.store.results) -------------------------------
+
+    def reserve_result(self, job_id: str, size: int, cap: int) -> tuple[bool, int]:
+        """(reserved, bytes held): room for `size` PNG bytes of job `job_id` in Redis, unless
+        the results held (those not yet expired) and this one would pass `cap`."""
+        ok, total = self._lua["results_reserve"](
+            keys=list(keys.RESULTS_KEYS), args=[job_id, size, cap, RESULT_TTL]
+        )
+        return bool(int(ok)), int(total)
+
+    def release_result(self, job_id: str) -> None:
+        """Give back a reservation whose result was not written (the job was not ours)."""
+        self._lua["results_release"](keys=list(keys.RESULTS_KEYS), args=[job_id])
+
+    def results_held(self) -> int:
+        """PNG bytes the Redis result store counts now (expired ones leave at a reserve)."""
+        return int(decode(self.r.get(keys.RESULTS_BYTES_KEY)) or 0)
+
+    def delete_keys(self, job_id: str) -> int:
+        """Every key of an ended job, atomically: 1 deleted, 0 no such job, -1 the job is
+        live (cancel it first). The images in another store are the caller's to delete
+        first (sdfarm.store.results.delete_job does both)."""
+        names = keys.job_keys(job_id)
+        return int(
+            self._lua["delete"](
+                keys=[*names, RECENT_KEY, *keys.RESULTS_KEYS], args=[job_id, len(names)]
             )
         )
 
