@@ -48,6 +48,7 @@ class WorkerConfig:
     engine_log_level: str = "info"
     celery_hostname: str = ""
     lora_dirs: list[str] = field(default_factory=list)  # besides each models dir's loras/
+    results: str = "redis"  # where images go (sdfarm.store.results)
 
     @property
     def device_key(self) -> str:
@@ -86,6 +87,7 @@ class Context:
         from sdfarm.native.catalog import Catalog
         from sdfarm.native.loras import LoraCatalog, lora_dirs
         from sdfarm.store import Store
+        from sdfarm.store.results import open_results
         from sdfarm.worker.engine_cache import EngineCache
         from sdfarm.worker.heartbeat import Heartbeat, cache_limits
         from sdfarm.worker.results import Uploader
@@ -106,7 +108,9 @@ class Context:
             pinned=set(config.pins),
             overflow_bytes=overflow,
         )
-        self.uploader = Uploader(self.store, config.device_key)
+        self.uploader = Uploader(
+            self.store, config.device_key, results=open_results(config.results, self.store)
+        )
         self.heartbeat = Heartbeat(self)
         self.state = "idle"
         self.current_job: str | None = None
