@@ -244,9 +244,6 @@ class Store:
         """The job's input images by name ({} when it has none)."""
         return {decode(k): v for k, v in self.r.hgetall(keys.input_key(job_id)).items()}
 
-    def image(self, job_id: str, index: int) -> bytes | None:
-        return self.r.hget(keys.result_key(job_id), f"png:{index}")
-
     def image_count(self, job_id: str) -> int:
         count = decode(self.r.hget(keys.result_key(job_id), "count"))
         return int(count) if count.isdigit() else 0

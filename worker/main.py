@@ -222,6 +222,7 @@ def run(args: argparse.Namespace) -> int:
         "queue": config.queue,
         "type": config.device.type,
         "engine_device": config.engine_device,
+        "results": config.results,
         "capacity": capacity,
         "overflow": overflow,
         "models": config.models,
