@@ -274,3 +274,33 @@ def test_the_redis_store_refuses_past_its_total_cap_clearly(tight_redis_farm: Fa
     assert "Redis result store is full" in str(info.value)
     assert "SDFARM_RESULTS_REDIS_MAX_BYTES" in str(info.value)
     assert tight_redis_farm.store.results_held() == 0
+
+
+def test_the_cli_deletes_a_job_and_sweeps_a_folder(stored, tmp_path) -> None:
+    farm: Farm = stored["farm"]
+    job = farm.submit("tiny-f16", "a heron", **SMALL)
+    job.result(timeout=120)
+    keys = json.loads(job.record()["results"])["keys"]
+
+    def sdfarm(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "sdfarm.cli.main", *args],
+                              capture_output=True, text=True, timeout=60)  # fmt: skip
+
+    done = sdfarm("delete", job.id, "--redis", stored["redis"], "--json")
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout) == {"id": job.id, "deleted": True}
+    assert not set(keys) & objects(stored) and job.state() == ""
+    again = sdfarm("delete", job.id, "--redis", stored["redis"], "--json")
+    assert again.returncode != 0 and "no job" in again.stdout + again.stderr
+    if stored["kind"] == "s3":
+        refused = sdfarm("results", "sweep", stored["url"])
+        assert refused.returncode == 2 and "lifecycle rule" in refused.stderr
+        return
+    root = tmp_path / "sweep"
+    (root / ("a" * 32)).mkdir(parents=True)
+    (root / ("a" * 32) / "0.png").write_bytes(PNG)
+    (root / "keep.txt").write_text("not a job folder")
+    swept = sdfarm("results", "sweep", f"file://{root}", "--older-than", "0", "--json")
+    assert swept.returncode == 0, swept.stderr
+    assert json.loads(swept.stdout) == {"removed": ["a" * 32]}
+    assert sorted(p.name for p in root.iterdir()) == ["keep.txt"]
