@@ -3,10 +3,10 @@
 
 - `redis` (`RedisResults`): the job's `result:{id}` hash, beside its record; it lives
   RESULT_TTL, with the record.
-- `file:///shared/dir` (`FileResults`, results_file.py): `dir/{id}/{i}.png` in a folder every
+- `file:///shared/dir` (`FileResults`, results_file.py): `dir/{id}/{run}-{i}.png` in a folder every
   worker and reader sees; it stays until the job is deleted (`sdfarm delete`, `Farm.delete`,
   the gateway's DELETE) or swept (`sdfarm results sweep`).
-- `s3://bucket/prefix` (`S3Results`, results_s3.py): objects `prefix/{id}/{i}.png` of any
+- `s3://bucket/prefix` (`S3Results`, results_s3.py): objects `prefix/{id}/{run}-{i}.png` of any
   S3-compatible store; they stay until the job is deleted or the bucket's lifecycle rule
   expires them.
 
@@ -54,8 +54,10 @@ class ResultStore(Protocol):
     url: str
     inline: bool
 
-    def put(self, job_id: str, pngs: Sequence[bytes]) -> list[str]:
-        """Store a job's images; their keys, in order. ResultRefused past a cap."""
+    def put(self, job_id: str, pngs: Sequence[bytes], run: str = "") -> list[str]:
+        """Store a job's images; their keys, in order. `run` names this run of the job (its
+        dispatch id): a late run of a requeued job never writes over the images of the run
+        that ended it, nor deletes them. ResultRefused past a cap."""
 
     def get(self, job_id: str, key: str) -> bytes | None:
         """One image's bytes, None when it is gone."""
@@ -82,7 +84,7 @@ class RedisResults:
         self.max_bytes = max_bytes
         self.total_max = total_max
 
-    def put(self, job_id: str, pngs: Sequence[bytes]) -> list[str]:
+    def put(self, job_id: str, pngs: Sequence[bytes], run: str = "") -> list[str]:
         from sdfarm.native.devices import format_bytes
 
         size = sum(len(p) for p in pngs)
@@ -94,7 +96,7 @@ class RedisResults:
                 "workers a file or S3 result store (--results)"
             )
         ok, held = self.store.reserve_result(job_id, size, self.total_max)
-        if not ok:
+        if ok == 0:
             raise ResultRefused(
                 f"the Redis result store is full: finished results hold {format_bytes(held)} "
                 f"and this one's {format_bytes(size)} would pass its cap of "

@@ -1,6 +1,7 @@
 """`FileResults`: images in a folder every worker and reader mounts (`file:///shared/dir`).
 
-Each job's images are `dir/{job id}/{i}.png`, each written to a temporary name and renamed
+Each job's images are `dir/{job id}/{run}-{i}.png` (`run`: the dispatch that made them), each
+written to a temporary name and renamed
 into place, so a reader never sees half an image. Nothing expires by itself: the job record
 goes after RESULT_TTL, the folder stays until the job is deleted or `sweep` removes folders
 older than a given age (`sdfarm results sweep`, or any cron job that deletes old folders).
@@ -17,7 +18,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 JOB_DIR = re.compile(r"[0-9a-f]{32}")
-IMAGE = re.compile(r"[0-9a-f]{32}/[0-9]+\.png")
+IMAGE = re.compile(r"[0-9a-f]{32}/(?:[0-9a-f]{1,32}-)?[0-9]+\.png")
+RUN = re.compile(r"[0-9a-f]{0,32}")
 
 
 class FileResults:
@@ -41,15 +43,15 @@ class FileResults:
             raise ValueError(f"not an image key of this store: {key!r}")
         return self.root / key
 
-    def put(self, job_id: str, pngs: Sequence[bytes]) -> list[str]:
-        if not JOB_DIR.fullmatch(job_id):
-            raise ValueError(f"not a job id: {job_id!r}")
+    def put(self, job_id: str, pngs: Sequence[bytes], run: str = "") -> list[str]:
+        if not JOB_DIR.fullmatch(job_id) or not RUN.fullmatch(run):
+            raise ValueError(f"not a job id and run: {job_id!r}, {run!r}")
         folder = self.root / job_id
         folder.mkdir(parents=True, exist_ok=True)
         keys = []
         for i, data in enumerate(pngs):
-            key = f"{job_id}/{i}.png"
-            tmp = folder / f".{i}.png.tmp"
+            key = f"{job_id}/{run}-{i}.png" if run else f"{job_id}/{i}.png"
+            tmp = folder / f".{Path(key).name}.tmp"
             tmp.write_bytes(data)
             os.replace(tmp, self._path(key))
             keys.append(key)
@@ -62,12 +64,14 @@ class FileResults:
             return None
 
     def delete(self, job_id: str, keys: Sequence[str]) -> None:
+        """The images named, then the job's folder if nothing else is in it (another run's
+        images stay)."""
         for key in keys:
             with contextlib.suppress(FileNotFoundError):
                 self._path(key).unlink()
         if JOB_DIR.fullmatch(job_id):
-            with contextlib.suppress(FileNotFoundError):
-                shutil.rmtree(self.root / job_id)
+            with contextlib.suppress(OSError):
+                (self.root / job_id).rmdir()
 
     def signed_url(self, key: str, expires_s: int = 0) -> str | None:
         return None

@@ -4,10 +4,11 @@ boto3. Credentials, region and endpoint come from the standard AWS settings
 store other than AWS, `~/.aws/config`), never from the URL: the URL is written into job
 records.
 
-Each job's images are `prefix/{job id}/{i}.png`. Objects do not expire by themselves: the job
-record goes after RESULT_TTL, the objects stay until the job is deleted or the bucket's
-lifecycle rule removes them (an expiration rule on the prefix of a day more than RESULT_TTL).
-Readers get them through presigned URLs (the gateway redirects there) or `get`.
+Each job's images are `prefix/{job id}/{run}-{i}.png` (`run`: the dispatch that made them).
+Objects do not expire by themselves: the job record goes after RESULT_TTL, the objects stay
+until the job is deleted or the bucket's lifecycle rule removes them (an expiration rule on the
+prefix of a day more than RESULT_TTL). Readers get them through presigned URLs (the gateway
+redirects there) or `get`.
 """
 
 from __future__ import annotations
@@ -44,14 +45,14 @@ class S3Results:
         """The bucket answers with these credentials (a worker checks at start)."""
         self.client.head_bucket(Bucket=self.bucket)
 
-    def _key(self, job_id: str, i: int) -> str:
-        name = f"{job_id}/{i}.png"
+    def _key(self, job_id: str, i: int, run: str) -> str:
+        name = f"{job_id}/{run}-{i}.png" if run else f"{job_id}/{i}.png"
         return f"{self.prefix}/{name}" if self.prefix else name
 
-    def put(self, job_id: str, pngs: Sequence[bytes]) -> list[str]:
+    def put(self, job_id: str, pngs: Sequence[bytes], run: str = "") -> list[str]:
         keys = []
         for i, data in enumerate(pngs):
-            key = self._key(job_id, i)
+            key = self._key(job_id, i, run)
             self.client.put_object(Bucket=self.bucket, Key=key, Body=data, ContentType="image/png")
             keys.append(key)
         return keys

@@ -712,17 +712,22 @@ class Store:
 
     # -- the Redis result store's total (sdfarm.store.results) -------------------------------
 
-    def reserve_result(self, job_id: str, size: int, cap: int) -> tuple[bool, int]:
-        """(reserved, bytes held): room for `size` PNG bytes of job `job_id` in Redis, unless
-        the results held (those not yet expired) and this one would pass `cap`."""
+    def reserve_result(self, job_id: str, size: int, cap: int) -> tuple[int, int]:
+        """(1 reserved, 0 refused, -1 the job's result is already written by another run;
+        bytes held): room for `size` PNG bytes of job `job_id` in Redis, unless the results
+        held (those not yet expired) and this one would pass `cap`."""
         ok, total = self._lua["results_reserve"](
-            keys=list(keys.RESULTS_KEYS), args=[job_id, size, cap, RESULT_TTL]
+            keys=[*keys.RESULTS_KEYS, keys.result_key(job_id)],
+            args=[job_id, size, cap, RESULT_TTL],
         )
-        return bool(int(ok)), int(total)
+        return int(ok), int(total)
 
     def release_result(self, job_id: str) -> None:
-        """Give back a reservation whose result was not written (the job was not ours)."""
-        self._lua["results_release"](keys=list(keys.RESULTS_KEYS), args=[job_id])
+        """Give back a reservation whose result was not written (the job was not ours);
+        a result another run wrote keeps its share."""
+        self._lua["results_release"](
+            keys=[*keys.RESULTS_KEYS, keys.result_key(job_id)], args=[job_id]
+        )
 
     def results_held(self) -> int:
         """PNG bytes the Redis result store counts now (expired ones leave at a reserve)."""

@@ -134,7 +134,7 @@ class Uploader:
             ]
             timings["encode_s"] = round(time.monotonic() - t, 4)
             try:
-                stored = retry_transient(lambda: self.results.put(item.job_id, pngs))
+                stored = retry_transient(lambda: self.results.put(item.job_id, pngs, item.dispatch))
             except ResultRefused as exc:
                 state, error, pngs = "failed", str(exc), []
             except redis.ResponseError as exc:  # Redis full: fail in the smallest write there is

@@ -75,3 +75,50 @@ def test_a_folder_store_reads_and_deletes_only_its_own_keys(tmp_path) -> None:
     results.put(job_id, [b"old"])
     assert results.sweep(3600) == []  # young: kept
     assert results.sweep(0, now=9e9) == [job_id]
+
+
+def _running_job(store: Store, device: str) -> tuple[str, str]:
+    """A job placed on `device` and claimed, as the scheduler and a worker would: (id,
+    dispatch)."""
+    from sdfarm.store import transport
+    from sdfarm.store.records import new_dispatch_id
+
+    job_id, _, _ = store.submit(JobSpec(model="m", params={"prompt": "p"}), 100)
+    assert job_id and store.take_lease("t", 60_000)
+    dispatch = new_dispatch_id()
+    held = (transport.queue_name("held/none"), "{}")
+    assert store.place("t", job_id, 5, device, dispatch, 0, "test", (), held) == 1
+    assert store.claim(job_id, dispatch, "inc", "w") is not None
+    return job_id, dispatch
+
+
+@pytest.mark.parametrize("kind", ["redis", "file"])
+def test_a_late_run_of_a_job_never_touches_the_images_of_the_run_that_ended_it(
+    store: Store, tmp_path, kind: str
+) -> None:
+    from PIL import Image
+
+    from sdfarm.store.records import new_dispatch_id
+    from sdfarm.store.results import located, read_pngs
+    from sdfarm.worker.results import Finished, Uploader
+
+    device = "late-host/CPU"
+    results = RedisResults(store) if kind == "redis" else FileResults(str(tmp_path / "shared"))
+    up = Uploader(store, device, results=results)
+    job_id, dispatch = _running_job(store, device)
+    red, blue = Image.new("RGB", (16, 16), (200, 0, 0)), Image.new("RGB", (16, 16), (0, 0, 200))
+    assert up.write(Finished(job_id, dispatch, "done", meta={"prompt": "p"}, images=[red]))
+    record = store.record(job_id)
+    pngs = read_pngs(record, store.ended(job_id).pngs, store)
+    held = store.results_held()
+    assert len(pngs) == 1 and (held > 0) == (kind == "redis")
+    # the same job's earlier run, thought lost, ends late with its own image: not ours
+    late = Finished(job_id, new_dispatch_id(), "done", meta={"prompt": "p"}, images=[blue])
+    assert not up.write(late)
+    assert read_pngs(store.record(job_id), store.ended(job_id).pngs, store) == pngs
+    assert store.results_held() == held
+    if kind == "file":
+        _, keys_ = located(record, store)
+        left = sorted(str(p.relative_to(tmp_path / "shared")) for p in
+                      (tmp_path / "shared").rglob("*.png"))  # fmt: skip
+        assert left == keys_  # the late run's image was deleted again, only it
