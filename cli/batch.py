@@ -1,15 +1,16 @@
 """`sdfarm batch FILE --out DIR`: a file of prompts rendered into a folder on the running farm
 (else a private local one), with a progress bar; finished images are never redone.
 
-Every job option the user gave (priority, submitter, deadline_s, webhook: `given_options`)
-goes to each job; a batch's priority is 9 unless given. Exit codes: 0 every item rendered (or
-already there); 1 some items failed (each for its own reason, listed in the summary); 2 the input or
-the flags are invalid (nothing queued); 6 (EXIT_FARM) the farm could not be reached, or the
-batch stopped because it could not go on (Redis away past the retry budget, or full); 7
-(EXIT_OUTPUT) the batch stopped because the output folder refused a write (a full disk). A
-stopped batch cancels what it had in flight and keeps every image written: run the same
-command again to resume. With --json, stdout carries exactly one JSON document (the summary,
-with an `error` when it stopped).
+Every job option the user gave (priority, submitter, deadline_s, webhook: `given_options`) goes
+to each job; a batch's priority is 9 unless given. The file is streamed twice, never held: a
+first pass checks every line (nothing is queued from a bad file), the second feeds the farm.
+Exit codes: 0 every item rendered (or already there); 1 some items failed (each for its own
+reason, listed in the summary); 2 the input or the flags are invalid (nothing queued); 6
+(EXIT_FARM) the farm could not be reached, or the batch stopped because it could not go on
+(Redis away past the retry budget, or full); 7 (EXIT_OUTPUT) the batch stopped because the
+output folder refused a write (a full disk). A stopped batch cancels what it had in flight and
+keeps every image written: run the same command again to resume. With --json, stdout carries
+exactly one JSON document (the summary, with an `error` when it stopped).
 """
 
 from __future__ import annotations
@@ -76,8 +77,8 @@ def _progress(enabled: bool, total: int, skipped: int) -> Any:
 
 def cmd_batch(args: argparse.Namespace) -> int:
     from sdfarm.client.batch import BatchStopped, Summary, batch_options, run_batch
-    from sdfarm.client.batch_input import BatchInputError, read_items
-    from sdfarm.client.batch_output import existing_files, split_done
+    from sdfarm.client.batch_input import BatchInputError, iter_items, scan_items
+    from sdfarm.client.batch_output import is_done
     from sdfarm.native.errors import InvalidParameterError
 
     try:  # the parser's type may be a plain int: the range is checked here either way
@@ -88,23 +89,22 @@ def cmd_batch(args: argparse.Namespace) -> int:
         options = batch_options(given_options(args))
     except InvalidParameterError as exc:
         return _fail(args, exc, 2)
-    try:
-        items = read_items(args.file, args.format)
+    out = Path(args.out)
+    try:  # the whole file is checked first, streaming; then streamed again into the farm
+        scan = scan_items(args.file, args.format, todo=lambda item: not is_done(out, item))
     except (OSError, BatchInputError) as exc:
         return _fail(args, exc, 2)
-    out = Path(args.out)
-    todo, _ = split_done(items, existing_files(out))
     model, dirs = _split_model(args.model, _models_dirs(args.models))
-    if not todo:
+    if not scan.todo:
         # Nothing to render: no farm is needed (and none is started) to say so.
-        summary = Summary(total=len(items), skipped=len(items), out=str(out), model=model)
+        summary = Summary(total=scan.total, skipped=scan.total, out=str(out), model=model)
         _report(args, summary)
         return 0
     try:
         with farm_url(args.redis, dirs, args.threads) as url:
             farm = _connect(url)
-            with _progress(not args.quiet, len(todo), len(items) - len(todo)) as bar:
-                task = bar.add_task(f"{model}", total=len(todo), failed=0)
+            with _progress(not args.quiet, scan.todo, scan.total - scan.todo) as bar:
+                task = bar.add_task(f"{model}", total=scan.todo, failed=0)
                 failed = 0
 
                 def on_progress(kind: str, item: Any, n: int) -> None:
@@ -114,13 +114,14 @@ def cmd_batch(args: argparse.Namespace) -> int:
 
                 summary = run_batch(
                     farm,
-                    items,
+                    iter_items(args.file, args.format),
                     out,
                     model,
                     common=given_params(args),
                     options=options,
                     in_flight=in_flight,
                     on_progress=on_progress,
+                    total=scan.total,
                 )
     except KeyboardInterrupt:
         _err("interrupted: finished images are kept; run the same command again to resume")

@@ -134,6 +134,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         ready_timeout=args.timeout,
         schedulers=2,  # a standby takes over at once when the leader dies
         metrics_port=args.metrics_port,
+        results=args.results,
         on_event=lambda kind, role, **info: _err(
             f"{role}: {kind} " + " ".join(f"{k}={v}" for k, v in info.items())
         ),
@@ -227,6 +228,13 @@ def add_farm_commands(sub: Any) -> None:
     up.add_argument("--redis", default=None, help="use this Redis instead of a private one")
     up.add_argument("--threads", type=int, default=None, help="CPU threads per worker")
     up.add_argument("--host", default=None, help="the host name in heartbeats")
+    up.add_argument(
+        "--results",
+        default=None,
+        metavar="URL",
+        help="where the workers put images: redis, file:///shared/dir or s3://bucket/prefix "
+        "(default $SDFARM_RESULTS, else redis)",
+    )
     up.add_argument("--log-dir", default=None, help="where the children's logs go")
     up.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for workers")
     up.add_argument(
@@ -277,6 +285,25 @@ def add_farm_commands(sub: Any) -> None:
     _redis_arg(c)
     c.add_argument("--json", action="store_true")
     c.set_defaults(func=jobs.cmd_cancel)
+
+    d = sub.add_parser("delete", help="delete a job and its images (a live one is cancelled first)")
+    d.add_argument("id")
+    _redis_arg(d)
+    d.add_argument("--json", action="store_true")
+    d.set_defaults(func=jobs.cmd_delete)
+
+    r = sub.add_parser("results", help="result store upkeep: sweep a folder's old images")
+    r.add_argument("action", choices=("sweep",))
+    r.add_argument("url", help="the store, file:///shared/dir")
+    r.add_argument(
+        "--older-than",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="remove job folders last written this long ago (default $SDFARM_RESULT_TTL)",
+    )
+    r.add_argument("--json", action="store_true")
+    r.set_defaults(func=jobs.cmd_results_sweep)
 
     m = sub.add_parser("models", help="the models and upscalers the farm's workers can load")
     _redis_arg(m)

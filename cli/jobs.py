@@ -76,6 +76,52 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_delete(args: argparse.Namespace) -> int:
+    """The job's record, events and images go, from whichever store holds them; a live job
+    is cancelled and waited for first."""
+    try:
+        deleted = _connect(_need_url(args)).delete(args.id)
+        if not deleted:
+            raise LookupError(f"no job {args.id} (unknown, or its record expired)")
+    except Exception as exc:  # noqa: BLE001
+        return _fail(args, exc)
+    if args.json:
+        emit({"id": args.id, "deleted": True})
+    else:
+        print(f"{args.id}: deleted")
+    return 0
+
+
+def cmd_results_sweep(args: argparse.Namespace) -> int:
+    """Remove a shared folder's job folders older than RESULT_TTL (their records are gone,
+    so nothing names them any more). An S3 store is swept by its bucket's lifecycle rule."""
+    from urllib.parse import urlsplit
+
+    from sdfarm.store.keys import RESULT_TTL
+    from sdfarm.store.results_file import FileResults
+
+    parts = urlsplit(args.url)
+    if parts.scheme != "file" or not parts.path.startswith("/"):
+        return _fail(
+            args,
+            ValueError(
+                f"{args.url}: only a file:///folder store is swept here; give an S3 bucket a "
+                "lifecycle rule that expires the prefix"
+            ),
+            2,
+        )
+    older = RESULT_TTL if args.older_than is None else args.older_than
+    try:
+        gone = FileResults(parts.path).sweep(older)
+    except OSError as exc:
+        return _fail(args, exc)
+    if args.json:
+        emit({"removed": gone})
+    else:
+        print(f"removed {len(gone)} job folder(s) older than {older:g} s from {parts.path}")
+    return 0
+
+
 def cmd_cancel(args: argparse.Namespace) -> int:
     """A queued job is cancelled at once; a placed or running one on request (its worker
     stops it), so the reply says which, and `already done` when there was nothing to do."""

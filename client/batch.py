@@ -28,13 +28,13 @@ import errno
 import os
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sized
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from sdfarm.client.batch_input import BatchItem
-from sdfarm.client.batch_output import existing_files, split_done, write_file, write_result
+from sdfarm.client.batch_output import is_done, write_file, write_result
 from sdfarm.client.errors import (
     FarmBusyError,
     FarmError,
@@ -167,7 +167,7 @@ class _Flying:
 
 def run_batch(
     farm: Any,
-    items: Sequence[BatchItem],
+    items: Iterable[BatchItem],
     out_dir: str | os.PathLike[str],
     model: str,
     common: dict[str, Any] | None = None,
@@ -179,6 +179,7 @@ def run_batch(
     write: Callable[[Path, bytes], None] = write_file,
     sleep: Callable[[float], None] = time.sleep,
     clock: Callable[[], float] = time.monotonic,
+    total: int | None = None,
 ) -> Summary:
     """Render the items not yet in `out_dir`, keeping at most `in_flight` jobs queued on the
     farm (late binding keeps the rest off the devices anyway; the bound keeps a huge batch
@@ -197,7 +198,12 @@ def run_batch(
     tests) raised OSError, or the farm's Redis stayed away past the retry budget or refuses
     writes. What is in flight is cancelled then; images already written stay. ValueError when
     `in_flight` < 1; InvalidParameterError for invalid `options`, before anything is queued.
-    `sleep` and `clock` are the waits' (hooks for tests)."""
+    `sleep` and `clock` are the waits' (hooks for tests).
+
+    `items` may be any iterable, a generator over a file included (`iter_items`): it is read
+    one item ahead of the submissions, so the client holds the `in_flight` window, never the
+    input. `total` (the items a scan counted) makes the summary's counts whole should the
+    batch stop early; without it, a sized `items` gives it, else the items read so far."""
     if isinstance(in_flight, bool) or not isinstance(in_flight, int) or in_flight < 1:
         raise ValueError(f"in_flight must be an integer of at least 1, got {in_flight!r}")
     opts = batch_options(options)
@@ -205,9 +211,12 @@ def run_batch(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     common = dict(common or {})
-    todo, skipped = split_done(items, existing_files(out))
-    summary = Summary(total=len(items), skipped=len(skipped), out=str(out), model=model)
-    queue = deque(todo)
+    if total is None and isinstance(items, Sized):
+        total = len(items)
+    summary = Summary(total=total or 0, out=str(out), model=model)
+    source = iter(items)
+    exhausted = False
+    queue: deque[BatchItem] = deque()  # the next item read, and items whose job was lost
     flying: deque[_Flying] = deque()
     lost: dict[int, int] = {}  # item index -> times its job vanished
     finished = 0
@@ -288,12 +297,29 @@ def run_batch(
         summary.done += 1
         note("done", item)
 
+    def refill() -> None:
+        """Read ahead one item that is not already written (skipped ones are counted)."""
+        nonlocal exhausted
+        while not queue and not exhausted:
+            item = next(source, None)
+            if item is None:
+                exhausted = True
+            else:
+                if total is None:
+                    summary.total += 1
+                if is_done(out, item):
+                    summary.skipped += 1
+                else:
+                    queue.append(item)
+
     render_start = clock()
     try:
+        refill()
         while queue or flying:
             while queue and len(flying) < in_flight and clock() >= retry_at:
                 if submit(queue[0]):
                     queue.popleft()
+                    refill()
             if not flying:
                 if queue:  # busy, with nothing of ours on the farm: wait, then ask again
                     sleep(max(0.0, retry_at - clock()))

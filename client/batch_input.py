@@ -3,6 +3,11 @@ header with `prompt` and optional per-item fields) or JSONL (one object a line),
 a stable output name (its `name`, else `{index:05d}-{slug}`) so a re-run maps it to the same
 file. The per-item fields are the job schema's parameters (sdfarm.native.params). Pure: tested
 without a farm or a disk (tests/unit/test_batch_input.py).
+
+A file is streamed, never read whole: `iter_items` yields one item a line as the batch runs,
+and `scan_items` checks the whole file first (every line parses, no name is used twice)
+holding 8 bytes per item (a hash of its name), so a 100,000-line file costs the client its
+current line, not the file (bench/batch_stream_rss.py).
 """
 
 from __future__ import annotations
@@ -12,7 +17,10 @@ import csv
 import json
 import os
 import re
+from array import array
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field, replace
+from hashlib import blake2b
 from pathlib import Path
 from typing import Any
 
@@ -150,14 +158,26 @@ def _item(index: int, row: dict[str, Any], line: int) -> BatchItem:
     return BatchItem(index=index, prompt=prompt.strip(), name=name, params=params, line=line)
 
 
-def parse_text(text: str) -> list[BatchItem]:
-    items = []
-    for n, raw in enumerate(text.split("\n"), 1):
+Lines = Iterable[tuple[int, str]]
+"""Numbered lines (1-based), line ends removed: what each parser reads."""
+
+
+def _numbered(text: str) -> Lines:
+    return enumerate(text.split("\n"), 1)
+
+
+def iter_text(lines: Lines) -> Iterator[BatchItem]:
+    index = 0
+    for n, raw in lines:
         line = raw.strip()
         if not line or line.startswith("#"):
             continue
-        items.append(_item(len(items), {"prompt": line}, n))
-    return items
+        yield _item(index, {"prompt": line}, n)
+        index += 1
+
+
+def parse_text(text: str) -> list[BatchItem]:
+    return list(iter_text(_numbered(text)))
 
 
 def _csv_line(line: str, n: int, dialect: str) -> list[str]:
@@ -176,18 +196,21 @@ def _csv_line(line: str, n: int, dialect: str) -> list[str]:
 
 
 def parse_csv(text: str) -> list[BatchItem]:
+    return list(iter_csv(_numbered(text)))
+
+
+def iter_csv(lines: Lines) -> Iterator[BatchItem]:
     """A header with `prompt` and optional per-item columns, then a record a line (blank lines
     and lines starting with `#`, before the header too, skipped). Quoting is strict: an
     unclosed quote, text after a closing quote or more values than columns are errors naming
     the line."""
-    numbered = [
-        (n, line)
-        for n, line in enumerate(text.split("\n"), 1)
-        if line.strip() and not line.lstrip().startswith("#")
-    ]
-    if not numbered:
+    numbered = (
+        (n, line) for n, line in lines if line.strip() and not line.lstrip().startswith("#")
+    )
+    first = next(numbered, None)
+    if first is None:
         raise BatchInputError("line 1: the CSV header has no `prompt` column")
-    header_line, header = numbered[0]
+    header_line, header = first
     dialect = "excel-tab" if "\t" in header else "excel"
     fields = [f.strip() for f in _csv_line(header, header_line, dialect)]
     if "prompt" not in fields:
@@ -198,8 +221,8 @@ def parse_csv(text: str) -> list[BatchItem]:
     twice = sorted({f for f in fields if fields.count(f) > 1})
     if twice:
         raise BatchInputError(f"line {header_line}: CSV columns {twice} appear more than once")
-    items = []
-    for n, line in numbered[1:]:
+    index = 0
+    for n, line in numbered:
         values = _csv_line(line, n, dialect)
         extra = [v for v in values[len(fields) :] if v.strip()]
         if extra:
@@ -213,13 +236,17 @@ def parse_csv(text: str) -> list[BatchItem]:
         if (row.get("prompt") or "").lstrip().startswith("#"):
             continue
         clean = {k: (v.strip() if k != "prompt" else v) for k, v in row.items()}
-        items.append(_item(len(items), clean, n))
-    return items
+        yield _item(index, clean, n)
+        index += 1
 
 
 def parse_jsonl(text: str) -> list[BatchItem]:
-    items = []
-    for n, raw in enumerate(text.split("\n"), 1):
+    return list(iter_jsonl(_numbered(text)))
+
+
+def iter_jsonl(lines: Lines) -> Iterator[BatchItem]:
+    index = 0
+    for n, raw in lines:
         line = raw.strip()
         if not line or line.startswith("#"):
             continue
@@ -232,17 +259,21 @@ def parse_jsonl(text: str) -> list[BatchItem]:
         unknown = set(row) - set(ITEM_FIELDS) - {"prompt", "name"}
         if unknown:
             raise BatchInputError(f"line {n}: unknown fields {sorted(unknown)}")
-        items.append(_item(len(items), row, n))
-    return items
+        yield _item(index, row, n)
+        index += 1
+
+
+PARSERS: dict[str, Callable[[Lines], Iterator[BatchItem]]] = {
+    "text": iter_text,
+    "csv": iter_csv,
+    "jsonl": iter_jsonl,
+}
 
 
 def parse_items(text: str, fmt: str) -> list[BatchItem]:
     """Parse `text` in `fmt` (text, csv, jsonl); duplicate names are an error, since two
     items would write one file and the resume test could not tell them apart."""
-    parser = {"text": parse_text, "csv": parse_csv, "jsonl": parse_jsonl}.get(fmt)
-    if parser is None:
-        raise BatchInputError(f"unknown format {fmt!r}; choose one of {', '.join(FORMATS)}")
-    items = parser(text)
+    items = list(_parser(fmt)(_numbered(text)))
     seen: dict[str, int] = {}
     for item in items:
         if item.name in seen:
@@ -251,6 +282,13 @@ def parse_items(text: str, fmt: str) -> list[BatchItem]:
             )
         seen[item.name] = item.line
     return items
+
+
+def _parser(fmt: str) -> Callable[[Lines], Iterator[BatchItem]]:
+    parser = PARSERS.get(fmt)
+    if parser is None:
+        raise BatchInputError(f"unknown format {fmt!r}; choose one of {', '.join(FORMATS)}")
+    return parser
 
 
 def decode_input(data: bytes) -> str:
@@ -270,7 +308,85 @@ def decode_input(data: bytes) -> str:
     return text.replace("\r\n", "\n").replace("\r", "\n")
 
 
+def file_lines(path: str | os.PathLike[str]) -> Iterator[tuple[int, str]]:
+    """The file's lines, numbered, read one at a time: as `decode_input` would make them (a
+    leading byte order mark dropped, `\r\n` and `\r` ending lines too), with its errors."""
+    n = 0
+    offset = 0
+    with open(path, "rb") as f:
+        for physical, raw in enumerate(f, 1):
+            skip = len(codecs.BOM_UTF8) if physical == 1 and raw.startswith(codecs.BOM_UTF8) else 0
+            try:
+                text = raw[skip:].decode("utf-8")
+            except UnicodeDecodeError as exc:
+                at = offset + skip + exc.start
+                raise BatchInputError(
+                    f"line {physical}: not valid UTF-8 (byte 0x{raw[skip + exc.start]:02x} at "
+                    f"byte offset {at} of the file, byte {at - offset + 1} of the line: "
+                    f"{exc.reason}); save the file as UTF-8"
+                ) from None
+            offset += len(raw)
+            text = text[:-2] if text.endswith("\r\n") else text.removesuffix("\n")
+            for piece in text.replace("\r", "\n").split("\n"):
+                n += 1
+                yield n, piece
+
+
+def iter_items(path: str | os.PathLike[str], fmt: str | None = None) -> Iterator[BatchItem]:
+    """The items of a batch file, one at a time as the file is read, their image paths made
+    absolute. Names are not checked for duplicates here: `scan_items` does, first."""
+    parser = _parser(fmt or detect_format(path))
+    folder = Path(path).resolve().parent
+    for item in parser(file_lines(path)):
+        yield resolve_images([item], folder)[0]
+
+
+@dataclass
+class Scan:
+    """What `scan_items` found: how many items, how many of them `todo` said need doing."""
+
+    total: int = 0
+    todo: int = 0
+
+
+def _name_hash(name: str) -> int:
+    return int.from_bytes(blake2b(name.encode(), digest_size=8).digest(), "little")
+
+
+def scan_items(
+    path: str | os.PathLike[str],
+    fmt: str | None = None,
+    todo: Callable[[BatchItem], bool] = lambda item: True,
+) -> Scan:
+    """Check the whole file before anything is queued, streaming it: BatchInputError for the
+    first bad line, or for a name used twice (naming both lines). Holds 8 bytes per item (a
+    64-bit hash of each name); a second pass runs only when two hashes meet."""
+    import numpy as np
+
+    hashes = array("Q")
+    scan = Scan()
+    for item in iter_items(path, fmt):
+        hashes.append(_name_hash(item.name))
+        scan.total += 1
+        scan.todo += bool(todo(item))
+    ordered = np.sort(np.frombuffer(hashes, dtype=np.uint64))
+    same = ordered[1:][ordered[1:] == ordered[:-1]]
+    if len(same):
+        wanted = {int(h) for h in same}
+        seen: dict[str, int] = {}
+        for item in iter_items(path, fmt):
+            if _name_hash(item.name) not in wanted:
+                continue
+            if item.name in seen:
+                raise BatchInputError(
+                    f"line {item.line}: name {item.name!r} already used on line {seen[item.name]}"
+                )
+            seen[item.name] = item.line
+    return scan
+
+
 def read_items(path: str | os.PathLike[str], fmt: str | None = None) -> list[BatchItem]:
-    """The items of a batch file, their image paths made absolute."""
-    items = parse_items(decode_input(Path(path).read_bytes()), fmt or detect_format(path))
-    return resolve_images(items, Path(path).resolve().parent)
+    """The items of a batch file as a list (a small file; a big one is `scan_items`, then
+    `iter_items`)."""
+    scan_items(path, fmt)
+    return list(iter_items(path, fmt))

@@ -34,6 +34,15 @@ def split_done(
     return todo, skipped
 
 
+def is_done(out_dir: Path, item: BatchItem) -> bool:
+    """The resume test of one item, on the disk: its PNG exists and is not empty (a batch
+    streaming its input asks per item instead of listing the folder)."""
+    try:
+        return png_path(out_dir, item).stat().st_size > 0
+    except FileNotFoundError:
+        return False
+
+
 def existing_files(out_dir: Path) -> set[str]:
     try:
         return {p.name for p in out_dir.iterdir() if p.is_file() and p.stat().st_size > 0}

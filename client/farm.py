@@ -56,6 +56,7 @@ from sdfarm.scheduler.registry import (
 )
 from sdfarm.store import JobSpec, Store
 from sdfarm.store.records import new_job_id, upscaler_key
+from sdfarm.store.results import delete_job
 from sdfarm.store.retry import BUDGET_S, retry_transient
 
 __all__ = [
@@ -290,6 +291,21 @@ class Farm:
 
     def cancel(self, job_id: str) -> bool:
         return self.job(job_id).cancel()
+
+    def delete(self, job_id: str, timeout: float | None = 30.0) -> bool:
+        """Delete a job: its record, events and images, from whichever result store its
+        record names (sdfarm.store.results). A live job is cancelled first and waited for,
+        up to `timeout` seconds (TimeoutError past it). False when there was no such job."""
+        got = self.retry(lambda: delete_job(self.store, job_id))
+        if got < 0:
+            job = self.job(job_id)
+            job.cancel()
+            try:
+                job.wait(timeout)
+            except FarmError:  # it vanished meanwhile
+                return False
+            got = self.retry(lambda: delete_job(self.store, job_id))
+        return got > 0
 
     def map(
         self,

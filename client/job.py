@@ -21,6 +21,7 @@ from sdfarm.native.preview import Preview
 from sdfarm.store import FINAL_STATES, JobResult
 from sdfarm.store.aio import wait_slice
 from sdfarm.store.records import loads
+from sdfarm.store.results import read_pngs
 from sdfarm.store.retry import aretry_transient
 from sdfarm.store.store import refusing_writes_reason
 
@@ -216,9 +217,10 @@ class Job:
                 loads(rec.get("figures"), []),
                 int(est) if est and est.isdigit() else None,
             )
-        if not ended.pngs:
+        pngs = self.farm.retry(lambda: read_pngs(rec, ended.pngs, self.farm.store))
+        if not pngs:
             raise FarmError(f"job {self.id} is done but its result is gone (expired?)")
-        return Result(self.id, ended.pngs, ended.meta, ended.records)
+        return Result(self.id, pngs, ended.meta, ended.records)
 
     def progress(self) -> dict[str, Any] | None:
         """The latest {"step", "steps", "s_per_step"} while it runs, else None."""
@@ -241,3 +243,9 @@ class Job:
 
     def events(self) -> list[dict[str, Any]]:
         return self.farm.store.events(self.id)
+
+    def delete(self, timeout: float | None = 30.0) -> bool:
+        """Delete the job: its record, events and images, from whichever store holds them.
+        A live job is cancelled first and waited for (TimeoutError past `timeout`). False
+        when there was no such job."""
+        return self.farm.delete(self.id, timeout)

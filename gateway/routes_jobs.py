@@ -1,7 +1,12 @@
 """The jobs API: `POST /v1/jobs` queues a job (`POST /v1/upscale` an upscale) and answers at
 once (202), then
 `GET /v1/jobs/{id}` (its record), `/image.png` (an image, by token or signed URL),
-`/events` (server-sent events until it ends) and `DELETE` (cancel).
+`/events` (server-sent events until it ends) and `DELETE` (cancel a live job; delete an
+ended one with its images, from whichever result store holds them).
+
+Images live where the worker's result store put them (sdfarm.store.results): Redis and a
+shared folder are served from here; an S3 store's are a redirect to a presigned URL, so the
+bytes never pass through the gateway.
 
 With tokens, a job belongs to the token that submitted it (its fingerprint is the job's
 `owner`): another normal token gets 404 for it on every route here, exactly as for a job that
@@ -16,7 +21,7 @@ import re
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
-from fastapi.responses import Response
+from fastapi.responses import RedirectResponse, Response
 
 from sdfarm.client.farm import Farm, Job
 from sdfarm.gateway import sse
@@ -31,6 +36,7 @@ from sdfarm.gateway.schemas import (
     submit_args,
     upscale_args,
 )
+from sdfarm.store.results import delete_job, image_of
 
 router = APIRouter()
 JOB_ID = re.compile(r"[0-9a-f]{32}")
@@ -156,7 +162,12 @@ def get_image(
     state = job_or_404(farm, job_id, who).state()
     if state != "done":
         raise APIError(409, f"job {job_id} is {state}, it has no image", code="job_not_done")
-    png = farm.store.image(job_id, i)
+    try:
+        png, url = image_of(farm.store.record(job_id), i, farm.store)
+    except Exception as exc:  # noqa: BLE001 - Redis or the result store away: 503
+        raise _farm_error(exc) from None
+    if url is not None:
+        return RedirectResponse(url, status_code=307)
     if png is None:
         raise APIError(404, f"job {job_id} has no image {i}", param="i", code="no_image")
     return Response(png, media_type="image/png")
@@ -166,9 +177,20 @@ def get_image(
     "/v1/jobs/{job_id}", dependencies=[Depends(require_token)], responses=_errors(401, 404, 503)
 )
 def cancel_job(request: Request, job_id: str) -> Any:
-    job = job_or_404(request.app.state.farm, job_id, caller(request))
+    """A live job is cancelled (`cancelled`: true, its state as it is now); an ended one is
+    deleted with its images (`deleted`: true); DELETE it again once a cancel took effect."""
+    farm: Farm = request.app.state.farm
+    job = job_or_404(farm, job_id, caller(request))
+    try:
+        deleted = delete_job(farm.store, job_id)
+    except Exception as exc:  # noqa: BLE001 - Redis or the result store away: 503
+        raise _farm_error(exc) from None
+    if deleted > 0:
+        return {"id": job_id, "cancelled": False, "deleted": True, "state": "deleted"}
+    if deleted == 0:
+        raise _not_found(job_id)
     cancelled = job.cancel()
-    return {"id": job_id, "cancelled": cancelled, "state": job.state()}
+    return {"id": job_id, "cancelled": cancelled, "deleted": False, "state": job.state()}
 
 
 @router.get(

@@ -87,6 +87,7 @@ class LocalFarm:
         supervise: bool = True,
         on_event: Any = None,
         metrics_port: int | None = None,
+        results: str | None = None,
     ) -> None:
         self.models_dirs = [str(Path(d).resolve()) for d in models_dirs]
         self.devices = list(devices) if devices else []
@@ -104,6 +105,8 @@ class LocalFarm:
         # would collide. A local farm hands out its own (`metrics_port`) or none.
         for name in (SCHEDULER_METRICS_PORT_ENV, WORKER_METRICS_PORT_ENV):
             self.env.pop(name, None)
+        if results:  # the workers' result store (sdfarm.store.results), by environment
+            self.env["SDFARM_RESULTS"] = results
         self._own_logs = log_dir is None
         self.log_dir = Path(log_dir) if log_dir is not None else None
         self.redis: RedisServer | None = None

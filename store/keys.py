@@ -32,6 +32,9 @@ only ones without a TTL; each is bounded (a capped list, a set of devices, a has
 | `metrics:jobs` | hash | - | kind, model, device (joined by a bar) -> jobs counted as they happen |
 | `metrics:seconds` | hash | - | histogram, model, device, bucket or `sum` -> counts, sums |
 | `webhooks` | zset | - | job id -> when its webhook's next try is due (all; scheduler) |
+| `results:bytes` | string | - | PNG bytes the Redis result store holds now (worker, delete) |
+| `results:sizes` | hash | - | job id -> PNG bytes of each result held in Redis (worker, delete) |
+| `results:expiry` | zset | - | job id -> when its result expires (uncounted then) |
 
 The Celery queues (`sdfarm.{host}.{device}` and kombu's priority lists) are named in
 `sdfarm.store.transport`, the one module that knows Celery's wire format.
@@ -152,6 +155,12 @@ PREFS_KEY = key("prefs")
 METRICS_JOBS_KEY = key("metrics", "jobs")
 METRICS_SECONDS_KEY = key("metrics", "seconds")
 METRICS_KEYS = (METRICS_JOBS_KEY, METRICS_SECONDS_KEY)
+RESULTS_BYTES_KEY = key("results", "bytes")
+RESULTS_SIZES_KEY = key("results", "sizes")
+RESULTS_EXPIRY_KEY = key("results", "expiry")
+RESULTS_KEYS = (RESULTS_BYTES_KEY, RESULTS_SIZES_KEY, RESULTS_EXPIRY_KEY)
+"""What the Redis result store holds (sdfarm.store.results): the total its cap is checked
+against, each result's size and expiry. Bounded by that cap: an entry per result held."""
 """The farm's counters and histograms (`sdfarm.store.metrics`): the transition scripts that
 count take them as their last two KEYS. Bounded: at most METRICS_SERIES_CAP series each."""
 WEBHOOKS_KEY = key("webhooks")
@@ -178,6 +187,7 @@ FARM_WIDE = (
     METRICS_JOBS_KEY,
     METRICS_SECONDS_KEY,
     WEBHOOKS_KEY,
+    *RESULTS_KEYS,
 )
 """The keys without a TTL (a name, or a prefix ending in ':'), each bounded as the table says."""
 

@@ -36,6 +36,9 @@ NAMES = (
     "lease_release",
     "webhook_take",
     "webhook_settle",
+    "results_reserve",
+    "results_release",
+    "delete",
 )
 
 

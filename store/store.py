@@ -255,9 +255,6 @@ class Store:
         """The job's input images by name ({} when it has none)."""
         return {decode(k): v for k, v in self.r.hgetall(keys.input_key(job_id)).items()}
 
-    def image(self, job_id: str, index: int) -> bytes | None:
-        return self.r.hget(keys.result_key(job_id), f"png:{index}")
-
     def image_count(self, job_id: str) -> int:
         count = decode(self.r.hget(keys.result_key(job_id), "count"))
         return int(count) if count.isdigit() else 0
@@ -694,6 +691,7 @@ class Store:
         meta: dict[str, Any] | None = None,
         records: list[dict[str, Any]] | None = None,
         pngs: list[bytes] | None = None,
+        count: int | None = None,
         job_fields: dict[str, str] | None = None,
         load_s: float | None = None,
         generate_s: float | None = None,
@@ -704,8 +702,10 @@ class Store:
         `meta` is given, `job_fields` in the record (a worker's memory refusal writes
         `figures` and `estimate` there, as placement's refusal does). `load_s` (a load this
         job waited for) and `generate_s` are observed in the farm's histograms, in the same
-        step that counts the end (sdfarm.store.metrics). False when the job is no longer
-        running under `dispatch`."""
+        step that counts the end (sdfarm.store.metrics). `count`: how many images the job
+        has when they live in another result store than Redis (`pngs` then empty; the
+        record's `results` field says where). False when the job is no longer running under
+        `dispatch`."""
         if state not in FINAL_STATES:
             raise ValueError(f"not a final state: {state!r}")
         if error:
@@ -740,7 +740,7 @@ class Store:
                     job_id,
                     "" if meta is None else json.dumps(meta, default=str),
                     json.dumps(records or []),
-                    len(pngs or []),
+                    len(pngs or []) if count is None else count,
                     WAKE_CAP,
                     RECENT_CAP,
                     _seconds(load_s),
@@ -789,6 +789,40 @@ class Store:
     def webhooks_queued(self) -> dict[str, float]:
         """{job id: when its next try is due} of every queued webhook (tests, operators)."""
         return {decode(k): float(v) for k, v in self.r.zrange(WEBHOOKS_KEY, 0, -1, withscores=True)}
+
+    # -- the Redis result store's total (sdfarm.store.results) -------------------------------
+
+    def reserve_result(self, job_id: str, size: int, cap: int) -> tuple[int, int]:
+        """(1 reserved, 0 refused, -1 the job's result is already written by another run;
+        bytes held): room for `size` PNG bytes of job `job_id` in Redis, unless the results
+        held (those not yet expired) and this one would pass `cap`."""
+        ok, total = self._lua["results_reserve"](
+            keys=[*keys.RESULTS_KEYS, keys.result_key(job_id)],
+            args=[job_id, size, cap, RESULT_TTL],
+        )
+        return int(ok), int(total)
+
+    def release_result(self, job_id: str) -> None:
+        """Give back a reservation whose result was not written (the job was not ours);
+        a result another run wrote keeps its share."""
+        self._lua["results_release"](
+            keys=[*keys.RESULTS_KEYS, keys.result_key(job_id)], args=[job_id]
+        )
+
+    def results_held(self) -> int:
+        """PNG bytes the Redis result store counts now (expired ones leave at a reserve)."""
+        return int(decode(self.r.get(keys.RESULTS_BYTES_KEY)) or 0)
+
+    def delete_keys(self, job_id: str) -> int:
+        """Every key of an ended job, atomically: 1 deleted, 0 no such job, -1 the job is
+        live (cancel it first). The images in another store are the caller's to delete
+        first (sdfarm.store.results.delete_job does both)."""
+        names = keys.job_keys(job_id)
+        return int(
+            self._lua["delete"](
+                keys=[*names, RECENT_KEY, *keys.RESULTS_KEYS], args=[job_id, len(names)]
+            )
+        )
 
     # -- heartbeats and queues (the worker) ----------------------------------------------------
 

@@ -49,6 +49,7 @@ class WorkerConfig:
     celery_hostname: str = ""
     lora_dirs: list[str] = field(default_factory=list)  # besides each models dir's loras/
     upscaler_dirs: list[str] = field(default_factory=list)  # besides each one's upscalers/
+    results: str = "redis"  # where images go (sdfarm.store.results)
 
     @property
     def device_key(self) -> str:
@@ -88,6 +89,7 @@ class Context:
         from sdfarm.native.loras import LoraCatalog, lora_dirs
         from sdfarm.native.upscalers import UpscalerCatalog, upscaler_dirs
         from sdfarm.store import Store
+        from sdfarm.store.results import open_results
         from sdfarm.worker.engine_cache import EngineCache
         from sdfarm.worker.heartbeat import Heartbeat, cache_limits
         from sdfarm.worker.results import Uploader
@@ -109,7 +111,9 @@ class Context:
             pinned=set(config.pins),
             overflow_bytes=overflow,
         )
-        self.uploader = Uploader(self.store, config.device_key)
+        self.uploader = Uploader(
+            self.store, config.device_key, results=open_results(config.results, self.store)
+        )
         self.heartbeat = Heartbeat(self)
         self.state = "idle"
         self.current_job: str | None = None

@@ -72,6 +72,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(repeatable; default $SDFARM_UPSCALERS)",
     )
     parser.add_argument(
+        "--results",
+        default=os.environ.get("SDFARM_RESULTS") or "redis",
+        metavar="URL",
+        help="where finished images go: redis (small results, capped), file:///shared/dir or "
+        "s3://bucket/prefix (credentials and endpoint from the AWS settings) (default "
+        "$SDFARM_RESULTS, else redis)",
+    )
+    parser.add_argument(
         "--host", default=None, help="host name in the farm (default: this machine's hostname)"
     )
     parser.add_argument(
@@ -162,6 +170,7 @@ def build_config(args: argparse.Namespace) -> Any:
     dirs = [str(d) for d in model_dirs(args.models)]
     if not dirs:
         raise SystemExit("sdfarm worker: no models directory (--models DIR or $SDFARM_MODELS)")
+    results = check_results(args.results)
     return WorkerConfig(
         redis_url=args.redis,
         host=host,
@@ -177,7 +186,22 @@ def build_config(args: argparse.Namespace) -> Any:
         threads=args.threads,
         backend=args.backend or os.environ.get("SDFARM_BACKEND"),
         celery_hostname=f"sdfarm.{device.name}@{host}",
+        results=results,
     )
+
+
+def check_results(url: str) -> str:
+    """The result store's URL once it answered (a folder that takes a file, a bucket that
+    answers with these credentials): a worker that could not store a single image must not
+    take jobs."""
+    from sdfarm.store.results import REDIS_URL, check_url, new_external
+
+    try:
+        if check_url(url) != REDIS_URL:
+            new_external(url).check()
+    except Exception as exc:  # noqa: BLE001 - any refusal stops the worker, saying why
+        raise SystemExit(f"sdfarm worker: --results {url}: {exc}") from None
+    return url
 
 
 def run(args: argparse.Namespace) -> int:
@@ -207,6 +231,7 @@ def run(args: argparse.Namespace) -> int:
         "queue": config.queue,
         "type": config.device.type,
         "engine_device": config.engine_device,
+        "results": config.results,
         "capacity": capacity,
         "overflow": overflow,
         "models": config.models,

@@ -5,6 +5,11 @@ job's path would cost the device several percent (facts/runtime.md). The job thr
 its images here and returns at once; Celery acknowledges and the next job starts generating
 while this thread encodes and writes. Jobs that end without images (failed, cancelled) go
 through the same queue, so a job's final state is written by one thread in order.
+
+The images go to the worker's result store (sdfarm.store.results): Redis writes them in the
+finish step itself; a file or S3 store gets them first (`put`), then the finish step records
+the end and, in the job record's `results` field, where they are. A job that turned out not
+to be ours any more gets its images deleted again.
 """
 
 from __future__ import annotations
@@ -18,13 +23,13 @@ from typing import Any
 
 import redis
 
-from sdfarm.native.devices import format_bytes
 from sdfarm.native.png import png_bytes
+from sdfarm.store.results import REDIS_RESULT_MAX, RedisResults, ResultRefused, ResultStore, where
 from sdfarm.store.retry import retry_transient
 
 log = logging.getLogger("sdfarm.worker")
 
-MAX_RESULT_BYTES = 64 * 1024 * 1024
+MAX_RESULT_BYTES = REDIS_RESULT_MAX
 """The most PNG bytes one job's result may hold in Redis."""
 UNWRITTEN_RETRY_S = 5.0
 """How often the end of a job that Redis refused is tried again."""
@@ -53,11 +58,15 @@ class Uploader:
     so far is written."""
 
     def __init__(
-        self, store: Any, device_key: str, max_result_bytes: int = MAX_RESULT_BYTES
+        self,
+        store: Any,
+        device_key: str,
+        max_result_bytes: int = MAX_RESULT_BYTES,
+        results: ResultStore | None = None,
     ) -> None:
         self._store = store
         self._device_key = device_key
-        self._max = max_result_bytes
+        self.results = results or RedisResults(store, max_bytes=max_result_bytes)
         self._queue: queue.Queue[Finished | None] = queue.Queue()
         self.unwritten: dict[str, tuple[Finished, str]] = {}
         """Jobs whose end Redis refused even as a failure, with why: tried again every
@@ -110,12 +119,13 @@ class Uploader:
                     self._cond.notify_all()
 
     def write(self, item: Finished) -> bool:
-        """Encode, check the size cap, then write the images and end the job in one atomic
-        step (Store.finish). False when the job was no longer ours."""
+        """Encode, put the images in the result store (Redis: check its caps), then end the
+        job in one atomic step (Store.finish). False when the job was no longer ours."""
         meta = item.meta
         timings: dict[str, Any] = {} if meta is None else meta.setdefault("timings", {})
         pngs: list[bytes] = []
         state, error = item.state, item.error
+        stored: list[str] = []
         if item.images:
             t = time.monotonic()
             pngs = [
@@ -123,19 +133,27 @@ class Uploader:
                 for i, img in enumerate(item.images)
             ]
             timings["encode_s"] = round(time.monotonic() - t, 4)
-            total = sum(len(p) for p in pngs)
-            if total > self._max:
-                state = "failed"
-                error = (
-                    f"result too large: {len(pngs)} PNG image(s) of {format_bytes(total)} "
-                    f"({total} bytes) exceed the result cap of {format_bytes(self._max)} "
-                    "(MAX_RESULT_BYTES); ask for fewer or smaller images"
-                )
-                pngs = []
+            try:
+                stored = retry_transient(lambda: self.results.put(item.job_id, pngs, item.dispatch))
+            except ResultRefused as exc:
+                state, error, pngs = "failed", str(exc), []
+            except redis.ResponseError as exc:  # Redis full: fail in the smallest write there is
+                state, pngs = "failed", []
+                error = f"the result could not be stored: Redis refused the write ({exc})"
+            except redis.RedisError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - the store refused: the job fails, saying so
+                state, pngs = "failed", []
+                error = f"the result could not be stored in {self.results.url}: {exc}"
+                log.warning("job %s: %s", item.job_id, error)
         if error and meta is not None:
             meta["error"] = error
+        fields = dict(item.job_fields)
+        if stored:
+            fields["results"] = where(self.results.url, stored)
+        inline = pngs if self.results.inline else []
         try:
-            ok = self._finish(item, state, error, meta, pngs)
+            ok = self._finish(item, state, error, meta, inline, len(stored), fields)
         except redis.ResponseError as exc:
             # Redis refused the write (full, read-only): the job fails with the reason, in the
             # smallest write there is, instead of staying `running` for ever.
@@ -143,14 +161,35 @@ class Uploader:
             if meta is not None:
                 meta["error"] = error
             log.warning("job %s: %s", item.job_id, error)
-            ok = self._finish(item, "failed", error, meta, [])
+            self._unstore(item.job_id, stored)
+            ok = self._finish(item, "failed", error, meta, [], 0, dict(item.job_fields))
+            stored = []
         if not ok:
             log.warning(
                 "job %s is no longer ours; its end (%s) was not written", item.job_id, state
             )
+            self._unstore(item.job_id, stored)
         return bool(ok)
 
-    def _finish(self, item: Finished, state: str, error: str, meta: Any, pngs: list[bytes]) -> bool:
+    def _unstore(self, job_id: str, stored: list[str]) -> None:
+        """Images put for a job whose end was not written with them: deleted (best effort)."""
+        if not stored:
+            return
+        try:
+            self.results.delete(job_id, stored)
+        except Exception:  # noqa: BLE001 - an orphan image is no reason to stop the uploader
+            log.exception("job %s: could not delete its images from %s", job_id, self.results.url)
+
+    def _finish(
+        self,
+        item: Finished,
+        state: str,
+        error: str,
+        meta: Any,
+        pngs: list[bytes],
+        count: int = 0,
+        fields: dict[str, str] | None = None,
+    ) -> bool:
         timings = (meta or {}).get("timings") or {}
         return retry_transient(
             lambda: self._store.finish(
@@ -162,7 +201,8 @@ class Uploader:
                 meta=meta,
                 records=item.records,
                 pngs=pngs,
-                job_fields=item.job_fields,
+                count=count,
+                job_fields=item.job_fields if fields is None else fields,
                 load_s=_positive(timings.get("load_s")),
                 generate_s=_positive(timings.get("generate_s")),
             )
@@ -183,7 +223,7 @@ class Uploader:
     def _retry_unwritten(self) -> None:
         for job_id, (item, error) in list(self.unwritten.items()):
             try:
-                self._finish(item, "failed", error, item.meta, [])
+                self._finish(item, "failed", error, item.meta, [], 0)
             except redis.RedisError:
                 return  # still refused: the next round
             del self.unwritten[job_id]

@@ -107,3 +107,14 @@ local function ended(job, events, done, state, ev, cap, ttl, counters, seconds, 
   count_end(job, state, counters, seconds)
   notify(job, events, hooks, cap, ttl)
 end
+
+-- Uncount a result the Redis result store held (sdfarm.store.results): its bytes leave the
+-- total (`total`, `sizes`, `expiry`: the RESULTS_KEYS).
+local function release_result(total, sizes, expiry, id)
+  local size = tonumber(redis.call('HGET', sizes, id) or '')
+  if size then
+    if redis.call('DECRBY', total, size) < 0 then redis.call('SET', total, 0) end
+    redis.call('HDEL', sizes, id)
+  end
+  redis.call('ZREM', expiry, id)
+end

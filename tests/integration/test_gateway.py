@@ -166,8 +166,10 @@ def test_job_events_stream_ends_with_done(http: httpx.Client) -> None:
     assert doc["state"] == "done" and doc["params"]["width"] == 64
     img = http.get(f"/v1/jobs/{job_id}/image.png")
     assert img.status_code == 200 and img.content.startswith(PNG)
-    gone = http.delete(f"/v1/jobs/{job_id}").json()
-    assert gone == {"id": job_id, "cancelled": False, "state": "done"}
+    gone = http.delete(f"/v1/jobs/{job_id}").json()  # an ended job: deleted with its image
+    assert gone == {"id": job_id, "cancelled": False, "deleted": True, "state": "deleted"}
+    assert http.get(f"/v1/jobs/{job_id}").status_code == 404
+    assert http.get(f"/v1/jobs/{job_id}/image.png").status_code == 404
 
 
 def test_devices_health_and_metrics(http: httpx.Client, gateway: str) -> None:

@@ -76,7 +76,7 @@ def test_a_token_sees_only_its_own_jobs(gw: TestClient, redis_url: str) -> None:
     assert gw.get(f"/v1/jobs/{job_id}", headers=bearer(A)).status_code == 200
     assert gw.get(f"/v1/jobs/{job_id}/image.png", headers=bearer(A)).status_code == 409
     cancelled = gw.delete(f"/v1/jobs/{job_id}", headers=bearer(A)).json()
-    assert cancelled == {"id": job_id, "cancelled": True, "state": "cancelled"}
+    assert cancelled == {"id": job_id, "cancelled": True, "deleted": False, "state": "cancelled"}
     assert _events(gw, job_id, A) == ["queued", "cancelled"]
     assert _events(gw, job_id, OP) == ["queued", "cancelled"]
 

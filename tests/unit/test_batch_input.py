@@ -207,3 +207,29 @@ def test_the_in_flight_flag_is_a_whole_number_of_at_least_one(value):
     assert in_flight_type("1") == 1 and in_flight_type("64") == 64
     with pytest.raises(argparse.ArgumentTypeError, match="1 or more"):
         in_flight_type(value)
+
+
+# -- streaming a file ------------------------------------------------------------------------------
+
+
+def test_a_file_is_streamed_and_scanned_without_being_held(tmp_path):
+    from sdfarm.client.batch_input import iter_items, scan_items
+
+    path = tmp_path / "p.jsonl"
+    lines = [f'{{"prompt": "p{i}", "name": "n{i}"}}' for i in range(2000)]
+    lines[1500] = '{"prompt": "dup", "name": "n7"}'
+    path.write_text("\n".join(lines) + "\n")
+    stream = iter_items(path)
+    assert next(stream).name == "n0"  # a generator: the first item before the rest is parsed
+    with pytest.raises(BatchInputError, match="line 1501: name 'n7' already used on line 8"):
+        scan_items(path)
+    lines[1500] = "not json"
+    path.write_text("\n".join(lines) + "\n")
+    assert [next(iter_items(path)).name] == ["n0"]  # lazily: the bad line is not reached
+    with pytest.raises(BatchInputError, match="line 1501: not JSON"):
+        scan_items(path)
+    lines[1500] = '{"prompt": "fine"}'
+    path.write_text("\n".join(lines) + "\n")
+    scan = scan_items(path, todo=lambda item: item.index % 2 == 0)
+    assert (scan.total, scan.todo) == (2000, 1000)
+    assert [i.name for i in iter_items(path)][1500] == "01500-fine"

@@ -380,3 +380,32 @@ def test_an_interrupt_cancels_what_is_in_flight(tmp_path):
     with pytest.raises(KeyboardInterrupt):
         run(farm, items(5), tmp_path / "out", in_flight=3, on_progress=interrupt)
     assert len(farm.jobs) == 3 and farm.calls["cancel"] == 2  # the two not collected
+
+
+# -- streamed input ------------------------------------------------------------------------------
+
+
+def test_a_generator_is_read_one_item_ahead_of_the_window(tmp_path):
+    clock = Clock()
+    farm = FakeFarm(clock)
+    drawn: list[int] = []
+
+    def stream():
+        for item in items(50):
+            drawn.append(item.index)
+            # never more than one item ahead (the written one, index 2, makes no job)
+            assert len(drawn) <= len(farm.jobs) + (len(drawn) > 2) + 1
+            yield item
+
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / f"{items(3)[2].name}.png").write_bytes(PNG)  # already written
+    summary = run(farm, stream(), tmp_path / "out", in_flight=4)
+    assert summary.total == 50 and summary.skipped == 1 and summary.done == 49
+    assert farm.most_unfinished <= 4 and len(farm.jobs) == 49
+
+
+def test_a_scanned_total_keeps_the_counts_whole_when_the_batch_stops(tmp_path):
+    farm = FakeFarm(Clock(), submit_error=redis.ConnectionError("Redis went away"))
+    with pytest.raises(BatchStopped) as info:
+        run(farm, iter(items(10)), tmp_path / "out", total=10)
+    assert info.value.summary.total == 10 and info.value.summary.remaining == 10
