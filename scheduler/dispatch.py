@@ -25,6 +25,7 @@ from typing import Any, Protocol
 from sdfarm.native.errors import InvalidParameterError
 from sdfarm.native.params import from_mapping
 from sdfarm.scheduler import fairness, placement
+from sdfarm.scheduler.index import DeviceIndex
 from sdfarm.scheduler.registry import (
     DEFAULT_BACKLOG,
     DEFAULT_QUEUE_LIMIT,
@@ -32,8 +33,14 @@ from sdfarm.scheduler.registry import (
     Snapshot,
     account,
 )
-from sdfarm.store import NOT_LEADER, Store, keys
+from sdfarm.store import NOT_LEADER, Placement, Store, keys
 from sdfarm.store.records import decode, new_dispatch_id
+
+SEND_BATCH = 128
+"""Placements sent to Redis in one round trip. A pass decides job after job on its own
+accounting; sending each at once cost a round trip per job, which bounded a busy farm to a
+few hundred placements a second. A send that finds its job gone meanwhile (cancelled) leaves
+its device's slot unused until the next cycle, a few milliseconds later."""
 
 MAX_ATTEMPTS = 2
 """A job whose worker died under it this many times is failed as poison (SPEC, worker)."""
@@ -333,12 +340,13 @@ class Dispatcher:
         jobs = self._pending(snap)
         if not jobs:
             return stats
-        devices = {d.key: d for d in snap.devices}
+        index = DeviceIndex(snap.devices)
         now = self.clock()
         estimates: dict[Shape, int] = {}
         groups: dict[Shape, list[PendingJob]] = {}
         for job in jobs:
             groups.setdefault(job.shape, []).append(job)
+        sizes = snap.loras()
         for shape, group in groups.items():
             model = shape[0]
             facts = snap.model_facts(model)
@@ -348,17 +356,19 @@ class Dispatcher:
                     stats["refused"] += sum(self._fail(j, error, (), 0) for j in group)
                 continue
             self._missing_since.pop(model, None)
-            sizes = snap.loras()
             estimate = facts.estimate(*shape[1:4], sum(sizes.get(n, 0) for n in shape[4]))
+            if index.roomiest is not None and estimate <= index.roomiest:
+                estimates[shape] = estimate  # within a device's capacity: never refused
+                continue
             outcome = placement.place(
-                placement.JobRequest(model, estimate), list(devices.values()), now
+                placement.JobRequest(model, estimate), list(index.devices.values()), now
             )
             if isinstance(outcome, placement.Refuse):
                 fail = [self._fail(j, outcome.reason, outcome.figures, estimate) for j in group]
                 stats["refused"] += sum(fail)
             else:
                 estimates[shape] = estimate
-        if not _room(devices):
+        if not index.has_room():
             return stats
         by_id = {j.job_id: j for j in jobs}
         pending = [
@@ -367,30 +377,33 @@ class Dispatcher:
             if j.shape in estimates
         ]
         waits: set[tuple[str, int]] = set()
+        sends: list[Placement] = []
         for p in fairness.iter_order(pending, snap.running_by_submitter()):
             job = by_id[p.job_id]
             estimate = estimates[job.shape]
             if (job.model, estimate) in waits:
                 continue
             request = placement.JobRequest(job.model, estimate, job.priority, job.submitter)
-            outcome = placement.place(request, list(devices.values()), now)
+            outcome = index.place(request, now)
             if isinstance(outcome, placement.Placed):
-                if self._send(job, outcome, estimate):
-                    stats["placed"] += 1
-                    devices[outcome.device] = account(
-                        devices[outcome.device], job.model, estimate, outcome.evict
-                    )
-                    if not _room(devices):
-                        break
+                sends.append(self._placement(job, outcome, estimate))
+                device = index.devices[outcome.device]
+                index.update(account(device, job.model, estimate, outcome.evict))
+                if len(sends) >= SEND_BATCH:
+                    stats["placed"] += self._send(sends)
+                    sends = []
+                if not index.has_room():
+                    break
             elif isinstance(outcome, placement.Refuse):  # not reached: refusals went above
                 stats["refused"] += self._fail(job, outcome.reason, outcome.figures, estimate)
             else:
                 waits.add((job.model, estimate))
-                held = placement.reserve_device(request, list(devices.values()), now)
+                held = index.reserve_device(request, now)
                 if held is not None:
-                    devices[held] = replace(devices[held], accepting=False)
-                    if not _room(devices):
+                    index.update(replace(index.devices[held], accepting=False))
+                    if not index.has_room():
                         break
+        stats["placed"] += self._send(sends)
         return stats
 
     def _unknown_expired(self, model: str) -> bool:
@@ -404,26 +417,30 @@ class Dispatcher:
             f"{', '.join(snap.models()) or 'no models'}"
         )
 
-    def _send(self, job: PendingJob, outcome: placement.Placed, estimate: int) -> bool:
-        dispatch = new_dispatch_id()
-        rc = self._check(
-            self.store.place(
-                self.token,
-                job.job_id,
-                job.priority,
-                outcome.device,
-                dispatch,
-                estimate,
-                outcome.tier,
-                outcome.evict,
-                self.outbox.message(job.job_id, dispatch, outcome.device),
-            )
-        )
+    def _placement(self, job: PendingJob, outcome: placement.Placed, estimate: int) -> Placement:
+        """The store's record of sending `job` where `outcome` says, under a new dispatch id."""
         self._meta.pop(job.job_id, None)
-        if rc != 1:
-            return False
-        self.log("placed", job=job.job_id, device=outcome.device, tier=outcome.tier)
-        return True
+        dispatch = new_dispatch_id()
+        return Placement(
+            job.job_id,
+            job.priority,
+            outcome.device,
+            dispatch,
+            estimate,
+            outcome.tier,
+            outcome.evict,
+            self.outbox.message(job.job_id, dispatch, outcome.device),
+        )
+
+    def _send(self, sends: list[Placement]) -> int:
+        """Place `sends` in one round trip; how many were placed (a job cancelled meanwhile
+        is not). NotLeader when the lease went elsewhere (then none was written)."""
+        placed = 0
+        for sent, rc in zip(sends, self.store.place_many(self.token, sends), strict=True):
+            if self._check(rc) == 1:
+                placed += 1
+                self.log("placed", job=sent.job_id, device=sent.device, tier=sent.tier)
+        return placed
 
     def _fail(
         self,
@@ -465,11 +482,6 @@ def _beat_after_claim(hb: dict[str, Any], job: dict[str, str]) -> bool:
         return float(hb.get("ts") or 0) > float(job.get("started") or "inf")
     except (TypeError, ValueError):
         return False
-
-
-def _room(devices: dict[str, placement.DeviceState]) -> bool:
-    """Whether any live device that takes work has backlog room left."""
-    return any(d.alive and d.accepting and d.has_room for d in devices.values())
 
 
 def _pending_job(job_id: str, priority: int, values: list[Any]) -> PendingJob | None:
