@@ -47,8 +47,17 @@ class _Levels:
     def __init__(self) -> None:
         self.levels: dict[int, list[tuple[int, str]]] = {}
 
-    def add(self, d: DeviceState) -> None:
-        insort(self.levels.setdefault(d.queued, []), (-d.compute_figure, d.key))
+    def add(self, d: DeviceState, sort: bool = True) -> None:
+        """Add `d`; with sort=False at the end of its level (then `sort()` before any use)."""
+        level = self.levels.setdefault(d.queued, [])
+        if sort:
+            insort(level, (-d.compute_figure, d.key))
+        else:
+            level.append((-d.compute_figure, d.key))
+
+    def sort(self) -> None:
+        for level in self.levels.values():
+            level.sort()
 
     def remove(self, d: DeviceState) -> None:
         level = self.levels[d.queued]
@@ -76,21 +85,24 @@ class DeviceIndex:
         self._ready_holders: dict[str, _Levels] = {}
         for d in devices:
             self.devices[d.key] = d
-            self._add(d)
+            self._add(d, sort=False)
+        self._ready.sort()
+        for levels in self._ready_holders.values():
+            levels.sort()
         alive = [max(d.capacity, d.slow_capacity) for d in self.devices.values() if d.alive]
         self.roomiest: int | None = max(alive) if alive else None
         """The largest capacity (or slow-path capacity) of an alive device: a job within it
         is never refused (rule 7 of `placement.place`)."""
 
-    def _add(self, d: DeviceState) -> None:
+    def _add(self, d: DeviceState, sort: bool = True) -> None:
         if not _live(d):
             return
         for m in d.loaded:
             self._holders.setdefault(m.name, set()).add(d.key)
             if d.has_room:
-                self._ready_holders.setdefault(m.name, _Levels()).add(d)
+                self._ready_holders.setdefault(m.name, _Levels()).add(d, sort)
         if d.has_room:
-            self._ready.add(d)
+            self._ready.add(d, sort)
 
     def _remove(self, d: DeviceState) -> None:
         if not _live(d):
