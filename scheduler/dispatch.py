@@ -20,6 +20,7 @@ import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from functools import cached_property
 from typing import Any, Protocol
 
 from sdfarm.native.errors import InvalidParameterError
@@ -99,9 +100,10 @@ class PendingJob:
     encodes: bool = False
     loras: tuple[str, ...] = ()
 
-    @property
+    @cached_property
     def shape(self) -> Shape:
-        """What the job's estimate depends on: jobs of one shape share it."""
+        """What the job's estimate depends on: jobs of one shape share it (kept: a cycle
+        asks for it of every pending job, and the job is kept between cycles)."""
         return (self.model, self.width, self.height, self.encodes, self.loras)
 
 
