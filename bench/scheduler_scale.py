@@ -213,7 +213,8 @@ def sim(args: argparse.Namespace) -> int:
         if not worked:
             time.sleep(0.001)
         if args.counts and now - written >= 0.1:
-            Path(args.counts).write_text(json.dumps({"done": done, "claimed": claimed}))
+            Path(args.counts + ".tmp").write_text(json.dumps({"done": done, "claimed": claimed}))
+            os.replace(args.counts + ".tmp", args.counts)  # whole, for the driver's reads
             written = now
     return 0
 
@@ -227,23 +228,23 @@ def sched(args: argparse.Namespace) -> int:
     from sdfarm.scheduler import service
     from sdfarm.scheduler.dispatch import DispatchConfig, Dispatcher
 
-    cycles: list[tuple[float, float, int]] = []
+    out = open(args.out, "a", buffering=1)  # noqa: SIM115 - one line per cycle, until exit
     original = Dispatcher.cycle
 
     def timed(self: Dispatcher) -> dict[str, int]:
         start = time.perf_counter()
         stats = original(self)
-        end = time.perf_counter()
-        cycles.append((time.time(), end - start, int(stats.get("placed", 0))))
+        took = time.perf_counter() - start
+        out.write(json.dumps([time.time(), took, int(stats.get("placed", 0))]) + "\n")
         return stats
 
+    from redis.utils import HIREDIS_AVAILABLE
+
+    out.write(json.dumps({"code": service.__file__, "hiredis": HIREDIS_AVAILABLE}) + "\n")
     Dispatcher.cycle = timed  # type: ignore[method-assign]
     svc = service.Service(args.redis, DispatchConfig(queue_limit=10**7))
     signal.signal(signal.SIGTERM, svc.stop)
-    try:
-        svc.run()
-    finally:
-        Path(args.out).write_text(json.dumps(cycles))
+    svc.run()
     return 0
 
 
@@ -269,7 +270,21 @@ def source_tree(rev: str, into: Path) -> Path:
         ["git", "-C", str(REPO), "archive", rev], check=True, capture_output=True
     ).stdout
     subprocess.run(["tar", "-x", "-C", str(pkg)], input=archive, check=True)
+    deps = (pkg / "pyproject.toml").read_text()
+    if "hiredis" not in deps:  # redis-py then used its pure-Python parser: so does the run
+        (into / "hiredis.py").write_text('raise ImportError("not a dependency at this revision")\n')
     return into
+
+
+def read_cycles(path: Path) -> tuple[dict[str, Any], list[list[float]]]:
+    """What the scheduler process wrote: its code's path and hiredis, then one line a cycle."""
+    lines = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+    head = next((x for x in lines if isinstance(x, dict)), {})
+    return head, [x for x in lines if isinstance(x, list)]
+
+
+def done_count(tmp: Path) -> int:
+    return sum(json.loads(f.read_text())["done"] for f in tmp.glob("counts-*.json"))
 
 
 def scenario(
@@ -279,53 +294,68 @@ def scenario(
     from sdfarm.localfarm.redis_server import RedisServer
 
     job_s = devices / args.demand
-    jobs = int(args.demand * (args.seconds + args.warmup) * 1.2) + 2 * devices + 1000
+    jobs = int(args.demand * (args.seconds + args.warmup) * 1.1) + 2 * devices + 1000
+    shards = max(1, min(4, devices // 250))
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     if tree is not None:
         env["PYTHONPATH"] = str(tree)
     server = RedisServer.start()
     client = server.client()
     tmp = Path(tempfile.mkdtemp(prefix="sched-scale-"))
+    cycles_path = tmp / "cycles.jsonl"
     procs: list[subprocess.Popen[bytes]] = []
     try:
         me = [sys.executable, str(HERE)]
-        sim_p = subprocess.Popen(
-            [*me, "sim", "--redis", server.url, "--devices", str(devices), "--models",
-             str(models), "--jobs", str(jobs), "--job-s", str(job_s), "--counts",
-             str(tmp / "counts.json")],
-            stdout=subprocess.PIPE, env=env,
-        )  # fmt: skip
-        procs.append(sim_p)
-        assert sim_p.stdout is not None
-        if sim_p.stdout.readline().strip() != b"ready":
-            raise RuntimeError("the simulator did not start")
+        for shard in range(shards):
+            sim_p = subprocess.Popen(
+                [*me, "sim", "--redis", server.url, "--devices", str(devices), "--models",
+                 str(models), "--jobs", str(jobs if shard == 0 else 0), "--job-s", str(job_s),
+                 "--counts", str(tmp / f"counts-{shard}.json"), "--shard", str(shard),
+                 "--shards", str(shards)],
+                stdout=subprocess.PIPE, env=env,
+            )  # fmt: skip
+            procs.append(sim_p)
+            assert sim_p.stdout is not None
+            if sim_p.stdout.readline().strip() != b"ready":
+                raise RuntimeError("the simulator did not start")
+        sims = list(procs)
         sched_p = subprocess.Popen(
-            [*me, "sched", "--redis", server.url, "--out", str(tmp / "cycles.json")], env=env
+            [*me, "sched", "--redis", server.url, "--out", str(cycles_path)], env=env
         )
         procs.append(sched_p)
+        started = time.time()
         time.sleep(args.warmup)
         t0, r0, s0 = time.time(), redis_cpu(client), cpu_seconds(sched_p.pid)
-        done0 = json.loads((tmp / "counts.json").read_text())["done"]
+        m0 = sum(cpu_seconds(p.pid) for p in sims)
+        done0 = done_count(tmp)
         time.sleep(args.seconds)
         t1, r1, s1 = time.time(), redis_cpu(client), cpu_seconds(sched_p.pid)
-        done1 = json.loads((tmp / "counts.json").read_text())["done"]
-        sched_p.send_signal(signal.SIGTERM)
-        sched_p.wait(60)
-        cycles = json.loads((tmp / "cycles.json").read_text())
+        m1 = sum(cpu_seconds(p.pid) for p in sims)
+        done1 = done_count(tmp)
+        head, cycles = read_cycles(cycles_path)
+        deadline = time.monotonic() + args.patience
+        while not any(c[2] for c in cycles) and time.monotonic() < deadline:
+            time.sleep(1)  # the first placing cycle has not ended yet: wait for its length
+            head, cycles = read_cycles(cycles_path)
     finally:
         for p in procs:
             with contextlib.suppress(ProcessLookupError):
                 p.send_signal(signal.SIGTERM)
         for p in procs:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                p.wait(30)
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
         server.stop()
+    first = next((c for c in cycles if c[2]), None)
     inside = [c for c in cycles if t0 <= c[0] <= t1]
     placed = sum(c[2] for c in inside)
     busy = [c[1] for c in inside if c[2] > 0]
     return {
         "devices": devices,
         "models": models,
+        "hosts": max(1, devices // DEVICES_PER_HOST),
         "job_s": round(job_s, 4),
         "window_s": round(t1 - t0, 2),
         "placed": placed,
@@ -336,8 +366,20 @@ def scenario(
         "cycle_p99_ms": round(pct([c[1] for c in inside], 99) * 1e3, 2),
         "placing_cycle_p50_ms": round(pct(busy, 50) * 1e3, 2),
         "placed_per_cycle": round(placed / max(1, len(busy)), 1),
-        "sched_cpu_ms_per_placement": round((s1 - s0) / max(1, placed) * 1e3, 3),
-        "redis_cpu_us_per_placement": round((r1 - r0) / max(1, placed) * 1e6, 1),
+        "first_placing_cycle_ms": round(first[1] * 1e3, 1) if first else None,
+        "first_placing_cycle_ended_s": round(first[0] - started, 1) if first else None,
+        "sched_cpu_ms_per_placement": round((s1 - s0) / max(1, placed) * 1e3, 3)
+        if placed
+        else None,
+        "sched_cpu_share": round((s1 - s0) / (t1 - t0), 2),
+        "sim_cpu_share": round((m1 - m0) / (t1 - t0), 2),
+        "redis_cpu_us_per_placement": round((r1 - r0) / max(1, placed) * 1e6, 1)
+        if placed
+        else None,
+        "redis_cpu_share": round((r1 - r0) / (t1 - t0), 2),
+        "load_avg_1m": round(os.getloadavg()[0], 2),
+        "sched_code": str(Path(head.get("code", "?")).parent.parent),
+        "hiredis": head.get("hiredis"),
     }
 
 
@@ -381,6 +423,8 @@ def main() -> int:
                        help="jobs/s the devices could finish together (sets job_s)")  # fmt: skip
         p.add_argument("--baseline", help="also run the farm's code of this git revision")
         p.add_argument("--out", type=Path)
+        p.add_argument("--patience", type=float, default=90.0,
+                       help="seconds to wait for a first placing cycle")  # fmt: skip
     s = sub.add_parser("sim")
     s.add_argument("--redis", required=True)
     s.add_argument("--devices", type=int, required=True)
@@ -388,6 +432,8 @@ def main() -> int:
     s.add_argument("--jobs", type=int, required=True)
     s.add_argument("--job-s", type=float, required=True)
     s.add_argument("--counts")
+    s.add_argument("--shard", type=int, default=0)
+    s.add_argument("--shards", type=int, default=1)
     c = sub.add_parser("sched")
     c.add_argument("--redis", required=True)
     c.add_argument("--out", required=True)
