@@ -127,6 +127,32 @@ def account(
     )
 
 
+def account_sent(state: DeviceState, sent: Iterable[tuple[str, int]]) -> DeviceState:
+    """`account(state, model, estimate, sent=0)` for each (model, estimate) in turn, built
+    once: every cycle does this for every job already sent to every device, and a copy of
+    the device per job was most of reading a large farm."""
+    kept = list(state.loaded)
+    names = {m.name for m in kept}
+    busy: set[str] = set()
+    taken = 0
+    for model, estimate in sent:
+        if model in names:
+            busy.add(model)
+        else:
+            kept.append(LoadedModel(model, max(0, estimate), busy=True))
+            names.add(model)
+            taken += max(0, estimate)
+    if not busy and not taken and len(kept) == len(state.loaded):
+        return state
+    kept = [replace(m, busy=True) if m.name in busy and not m.busy else m for m in kept]
+    return replace(
+        state,
+        loaded=tuple(sorted(kept, key=lambda m: m.name)),
+        compute_figure=max(0, state.compute_figure - taken),
+        slow_figure=max(0, state.slow_figure - taken),
+    )
+
+
 def heartbeat_models(hb: Mapping[str, Any]) -> dict[str, ModelFacts]:
     """{name: ModelFacts} of the models a heartbeat's worker can load (malformed entries are
     left out: that worker is not asked to load them)."""
@@ -274,9 +300,14 @@ def build_devices(
             out.append(seen[2])
             continue
         state = device_state(key, hb, queued=len(entries), backlog_limit=backlog_limit)
-        for _, job in sent:
-            if job.get("model") and job.get("state") in ("placed", "running"):
-                state = account(state, job["model"], _int(job.get("estimate")), sent=0)
+        state = account_sent(
+            state,
+            [
+                (job["model"], _int(job.get("estimate")))
+                for _, job in sent
+                if job.get("model") and job.get("state") in ("placed", "running")
+            ],
+        )
         if cache is not None:
             cache[key] = (hb, sig, state)
         out.append(state)

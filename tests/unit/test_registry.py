@@ -17,6 +17,7 @@ from sdfarm.scheduler.placement import GiB, LoadedModel
 from sdfarm.scheduler.registry import (
     Catalogs,
     account,
+    account_sent,
     build_devices,
     device_state,
     device_type,
@@ -136,6 +137,23 @@ def test_the_facts_index_agrees_with_model_facts_reading_each_catalog_once() -> 
     assert len(catalogs._parsed) == 3  # shared, h2's, and h4's missing document
     assert catalogs.models(hbs["h3/CUDA0"]) is catalogs.models(hbs["h1/CUDA0"])
     assert sorted(facts_index(hbs)) == farm_models(hbs)
+
+
+@pytest.mark.parametrize("seed", range(50))
+def test_account_sent_is_account_job_after_job(seed: int) -> None:
+    import random
+
+    rng = random.Random(seed)
+    loaded = [
+        {"name": n, "estimate": rng.randint(0, 4) * GiB, "busy": rng.random() < 0.3}
+        for n in rng.sample("abcde", rng.randint(0, 3))
+    ]
+    state = device_state("h1/CUDA0", hb(compute=rng.choice([0, 3, 20]), loaded=loaded))
+    sent = [(rng.choice("abcdefg"), rng.randint(-1, 6) * GiB) for _ in range(rng.randint(0, 4))]
+    want = state
+    for model, estimate in sent:
+        want = account(want, model, estimate, sent=0)
+    assert account_sent(state, sent) == want
 
 
 def test_build_devices_reuses_a_device_whose_heartbeat_and_jobs_are_unchanged() -> None:
