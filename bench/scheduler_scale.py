@@ -148,11 +148,14 @@ def sim(args: argparse.Namespace) -> int:
     from sdfarm.store import JobSpec, Store, keys
     from sdfarm.store.transport import queue_name
 
+    if args.nice:
+        os.nice(args.nice)  # the devices of a real farm run on other machines
     store = Store.connect(args.redis)
     facts = model_facts(args.models)
     names = sorted(facts)
     hosts = max(1, args.devices // DEVICES_PER_HOST)
-    devices = [Device(f"host{i % hosts:03d}", f"CUDA{i // hosts}") for i in range(args.devices)]
+    every = [Device(f"host{i % hosts:03d}", f"CUDA{i // hosts}") for i in range(args.devices)]
+    devices = every[args.shard :: args.shards]  # each device in exactly one process
     for i in range(args.jobs):
         spec = JobSpec(
             model=names[i % len(names)],
@@ -311,7 +314,7 @@ def scenario(
                 [*me, "sim", "--redis", server.url, "--devices", str(devices), "--models",
                  str(models), "--jobs", str(jobs if shard == 0 else 0), "--job-s", str(job_s),
                  "--counts", str(tmp / f"counts-{shard}.json"), "--shard", str(shard),
-                 "--shards", str(shards)],
+                 "--shards", str(shards), "--nice", str(args.sim_nice)],
                 stdout=subprocess.PIPE, env=env,
             )  # fmt: skip
             procs.append(sim_p)
@@ -386,6 +389,7 @@ def scenario(
 def drive(args: argparse.Namespace) -> int:
     grid = [tuple(int(x) for x in cell.split("x")) for cell in args.grid.split(",")]
     out: dict[str, Any] = {
+        "sim_nice": args.sim_nice,
         "machine": platform.platform(),
         "cpus": os.cpu_count(),
         "demand_per_s": args.demand,
@@ -423,6 +427,8 @@ def main() -> int:
                        help="jobs/s the devices could finish together (sets job_s)")  # fmt: skip
         p.add_argument("--baseline", help="also run the farm's code of this git revision")
         p.add_argument("--out", type=Path)
+        p.add_argument("--sim-nice", type=int, default=0,
+                       help="run the simulated devices at this niceness")  # fmt: skip
         p.add_argument("--patience", type=float, default=90.0,
                        help="seconds to wait for a first placing cycle")  # fmt: skip
     s = sub.add_parser("sim")
@@ -433,6 +439,7 @@ def main() -> int:
     s.add_argument("--job-s", type=float, required=True)
     s.add_argument("--counts")
     s.add_argument("--shard", type=int, default=0)
+    s.add_argument("--nice", type=int, default=0)
     s.add_argument("--shards", type=int, default=1)
     c = sub.add_parser("sched")
     c.add_argument("--redis", required=True)
