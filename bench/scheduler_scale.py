@@ -286,6 +286,15 @@ def read_cycles(path: Path) -> tuple[dict[str, Any], list[list[float]]]:
     return head, [x for x in lines if isinstance(x, list)]
 
 
+def requeues(client: Any) -> int:
+    """Jobs the scheduler re-queued (the farm's counters): a simulated device that lost its
+    jobs would make placements count twice, so a valid run shows none."""
+    from sdfarm.store import keys
+
+    counts = client.hgetall(keys.METRICS_JOBS_KEY)
+    return sum(int(v) for k, v in counts.items() if k.startswith(b"requeued|"))
+
+
 def done_count(tmp: Path) -> int:
     return sum(json.loads(f.read_text())["done"] for f in tmp.glob("counts-*.json"))
 
@@ -335,6 +344,7 @@ def scenario(
         t1, r1, s1 = time.time(), redis_cpu(client), cpu_seconds(sched_p.pid)
         m1 = sum(cpu_seconds(p.pid) for p in sims)
         done1 = done_count(tmp)
+        requeued = requeues(client)
         head, cycles = read_cycles(cycles_path)
         deadline = time.monotonic() + args.patience
         while not any(c[2] for c in cycles) and time.monotonic() < deadline:
@@ -380,6 +390,7 @@ def scenario(
         if placed
         else None,
         "redis_cpu_share": round((r1 - r0) / (t1 - t0), 2),
+        "requeued": requeued,
         "load_avg_1m": round(os.getloadavg()[0], 2),
         "sched_code": str(Path(head.get("code", "?")).parent.parent),
         "hiredis": head.get("hiredis"),
