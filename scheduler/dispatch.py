@@ -20,6 +20,7 @@ import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from functools import cached_property
 from typing import Any, Protocol
 
 from sdfarm.native import upscale_params
@@ -27,6 +28,7 @@ from sdfarm.native.errors import InvalidParameterError
 from sdfarm.native.estimate import UpscalerFacts, job_estimate
 from sdfarm.native.params import MAX_SIZE, VAE_TILING, from_mapping
 from sdfarm.scheduler import fairness, placement
+from sdfarm.scheduler.index import DeviceIndex
 from sdfarm.scheduler.registry import (
     DEFAULT_BACKLOG,
     DEFAULT_QUEUE_LIMIT,
@@ -35,8 +37,14 @@ from sdfarm.scheduler.registry import (
     account,
     farm_upscalers,
 )
-from sdfarm.store import NOT_LEADER, Store, keys
+from sdfarm.store import NOT_LEADER, Placement, Store, keys
 from sdfarm.store.records import decode, new_dispatch_id, upscaler_key, upscaler_name
+
+SEND_BATCH = 128
+"""Placements sent to Redis in one round trip. A pass decides job after job on its own
+accounting; sending each at once cost a round trip per job, which bounded a busy farm to a
+few hundred placements a second. A send that finds its job gone meanwhile (cancelled) leaves
+its device's slot unused until the next cycle, a few milliseconds later."""
 
 MAX_ATTEMPTS = 2
 """A job whose worker died under it this many times is failed as poison (SPEC, worker)."""
@@ -101,7 +109,7 @@ class PendingJob:
     hires: Hires | None = None
     vae_tiling: str = "auto"
 
-    @property
+    @cached_property
     def shape(self) -> Shape:
         """What the job's estimate depends on: jobs of one shape share it."""
         return (
@@ -345,12 +353,13 @@ class Dispatcher:
         jobs = self._pending(snap)
         if not jobs:
             return stats
-        devices = {d.key: d for d in snap.devices}
+        index = DeviceIndex(snap.devices)
         now = self.clock()
         estimates: dict[Shape, placement.JobRequest] = {}
         groups: dict[Shape, list[PendingJob]] = {}
         for job in jobs:
             groups.setdefault(job.shape, []).append(job)
+        sizes = snap.loras()
         for shape, group in groups.items():
             model = shape[0]
             facts = snap.model_facts(model)
@@ -360,26 +369,30 @@ class Dispatcher:
                     stats["refused"] += sum(self._fail(j, error, (), 0) for j in group)
                 continue
             self._missing_since.pop(model, None)
-            sizes = snap.loras()
             _, width, height, encodes, loras, tile, hires, tiling = shape
             extra = sum(sizes.get(n, 0) for n in loras) + _hires_bytes(snap, hires)
             size = {"encodes": encodes, "tile_size": tile, "extra_bytes": extra}
             upscale = upscaler_name(model) is not None  # no VAE: nothing to tile
-            asked = placement.JobRequest(
-                model,
-                job_estimate(facts, width, height, **size),
-                tiled_estimate=None
-                if upscale
-                else job_estimate(facts, width, height, tiled=True, **size),
-                vae_tiling=tiling,
+            asked = _index_request(
+                placement.JobRequest(
+                    model,
+                    job_estimate(facts, width, height, **size),
+                    tiled_estimate=None
+                    if upscale
+                    else job_estimate(facts, width, height, tiled=True, **size),
+                    vae_tiling=tiling,
+                )
             )
-            outcome = placement.place(asked, list(devices.values()), now)
+            if index.roomiest is not None and asked.least <= index.roomiest:
+                estimates[shape] = asked  # within a device's capacity: never refused
+                continue
+            outcome = placement.place(asked, list(index.devices.values()), now)
             if isinstance(outcome, placement.Refuse):
                 fail = [self._fail(j, outcome.reason, outcome.figures, asked.least) for j in group]
                 stats["refused"] += sum(fail)
             else:
                 estimates[shape] = asked
-        if not _room(devices):
+        if not index.has_room():
             return stats
         by_id = {j.job_id: j for j in jobs}
         pending = [
@@ -388,32 +401,36 @@ class Dispatcher:
             if j.shape in estimates
         ]
         waits: set[tuple[str, int, str]] = set()
+        sends: list[Placement] = []
         for p in fairness.iter_order(pending, snap.running_by_submitter()):
             job = by_id[p.job_id]
             asked = estimates[job.shape]
             if (job.model, asked.estimate, asked.vae_tiling) in waits:
                 continue
             request = replace(asked, priority=job.priority, submitter=job.submitter)
-            outcome = placement.place(request, list(devices.values()), now)
+            outcome = index.place(request, now)
             if isinstance(outcome, placement.Placed):
-                # The plan on the device it got (placement carries one for every such job).
+                # The plan on the device it got: placement's full walk carries one for a job
+                # that may tile; the index's fast tiers place it untiled, where it fits so.
                 estimate = outcome.tiling.estimate if outcome.tiling else asked.estimate
-                if self._send(job, outcome, estimate):
-                    stats["placed"] += 1
-                    devices[outcome.device] = account(
-                        devices[outcome.device], job.model, estimate, outcome.evict
-                    )
-                    if not _room(devices):
-                        break
+                sends.append(self._placement(job, outcome, estimate))
+                device = index.devices[outcome.device]
+                index.update(account(device, job.model, estimate, outcome.evict))
+                if len(sends) >= SEND_BATCH:
+                    stats["placed"] += self._send(sends)
+                    sends = []
+                if not index.has_room():
+                    break
             elif isinstance(outcome, placement.Refuse):  # not reached: refusals went above
                 stats["refused"] += self._fail(job, outcome.reason, outcome.figures, asked.least)
             else:
                 waits.add((job.model, asked.estimate, asked.vae_tiling))
-                held = placement.reserve_device(request, list(devices.values()), now)
+                held = index.reserve_device(request, now)
                 if held is not None:
-                    devices[held] = replace(devices[held], accepting=False)
-                    if not _room(devices):
+                    index.update(replace(index.devices[held], accepting=False))
+                    if not index.has_room():
                         break
+        stats["placed"] += self._send(sends)
         return stats
 
     def _unknown_expired(self, model: str) -> bool:
@@ -433,27 +450,32 @@ class Dispatcher:
             f"{', '.join(snap.models()) or 'no models'}"
         )
 
-    def _send(self, job: PendingJob, outcome: placement.Placed, estimate: int) -> bool:
-        dispatch = new_dispatch_id()
-        rc = self._check(
-            self.store.place(
-                self.token,
-                job.job_id,
-                job.priority,
-                outcome.device,
-                dispatch,
-                estimate,
-                outcome.tier,
-                outcome.evict,
-                self.outbox.message(job.job_id, dispatch, outcome.device),
-                tiling=outcome.tiling.as_json() if outcome.tiling else None,
-            )
-        )
+    def _placement(self, job: PendingJob, outcome: placement.Placed, estimate: int) -> Placement:
+        """The store's record of sending `job` where `outcome` says, under a new dispatch id,
+        with its VAE tiling plan when placement made one."""
         self._meta.pop(job.job_id, None)
-        if rc != 1:
-            return False
-        self.log("placed", job=job.job_id, device=outcome.device, tier=outcome.tier)
-        return True
+        dispatch = new_dispatch_id()
+        return Placement(
+            job.job_id,
+            job.priority,
+            outcome.device,
+            dispatch,
+            estimate,
+            outcome.tier,
+            outcome.evict,
+            self.outbox.message(job.job_id, dispatch, outcome.device),
+            outcome.tiling.as_json() if outcome.tiling else None,
+        )
+
+    def _send(self, sends: list[Placement]) -> int:
+        """Place `sends` in one round trip; how many were placed (a job cancelled meanwhile
+        is not). NotLeader when the lease went elsewhere (then none was written)."""
+        placed = 0
+        for sent, rc in zip(sends, self.store.place_many(self.token, sends), strict=True):
+            if self._check(rc) == 1:
+                placed += 1
+                self.log("placed", job=sent.job_id, device=sent.device, tier=sent.tier)
+        return placed
 
     def _fail(
         self,
@@ -478,6 +500,16 @@ class Dispatcher:
         return rc
 
 
+def _index_request(asked: placement.JobRequest) -> placement.JobRequest:
+    """The job as the device index's fast tiers judge it, by `estimate`: a job that must
+    decode in tiles (`vae_tiling` on) by its tiled estimate. A job that may tile (auto) is
+    judged untiled there, and where nothing fits it so, by placement's full walk, which plans
+    the tiling per device."""
+    if asked.vae_tiling == "on" and asked.tiled_estimate is not None:
+        return replace(asked, estimate=asked.tiled_estimate)
+    return asked
+
+
 def _overdue(job: dict[str, str], now: float) -> float | None:
     """Seconds a placed or running job is past its deadline (both by the Redis clock), or
     None while it is within it (or either figure is missing)."""
@@ -495,11 +527,6 @@ def _beat_after_claim(hb: dict[str, Any], job: dict[str, str]) -> bool:
         return float(hb.get("ts") or 0) > float(job.get("started") or "inf")
     except (TypeError, ValueError):
         return False
-
-
-def _room(devices: dict[str, placement.DeviceState]) -> bool:
-    """Whether any live device that takes work has backlog room left."""
-    return any(d.alive and d.accepting and d.has_room for d in devices.values())
 
 
 def _pending_job(job_id: str, priority: int, values: list[Any]) -> PendingJob | None:

@@ -128,6 +128,32 @@ def account(
     )
 
 
+def account_sent(state: DeviceState, sent: Iterable[tuple[str, int]]) -> DeviceState:
+    """`account(state, model, estimate, sent=0)` for each (model, estimate) in turn, built
+    once: every cycle does this for every job already sent to every device, and a copy of
+    the device per job was most of reading a large farm."""
+    kept = list(state.loaded)
+    names = {m.name for m in kept}
+    busy: set[str] = set()
+    taken = 0
+    for model, estimate in sent:
+        if model in names:
+            busy.add(model)
+        else:
+            kept.append(LoadedModel(model, max(0, estimate), busy=True))
+            names.add(model)
+            taken += max(0, estimate)
+    if not busy and not taken and len(kept) == len(state.loaded):
+        return state
+    kept = [replace(m, busy=True) if m.name in busy and not m.busy else m for m in kept]
+    return replace(
+        state,
+        loaded=tuple(sorted(kept, key=lambda m: m.name)),
+        compute_figure=max(0, state.compute_figure - taken),
+        slow_figure=max(0, state.slow_figure - taken),
+    )
+
+
 def heartbeat_models(hb: Mapping[str, Any]) -> dict[str, ModelFacts]:
     """{name: ModelFacts} of the models a heartbeat's worker can load (malformed entries are
     left out: that worker is not asked to load them)."""
@@ -150,6 +176,47 @@ def heartbeat_upscalers(hb: Mapping[str, Any]) -> dict[str, UpscalerFacts]:
         except (KeyError, TypeError, ValueError, AttributeError):
             continue
     return out
+
+
+class Catalogs:
+    """Parsed `models` documents, kept by the document's identity: the store hands every
+    heartbeat of one catalog the same object for as long as the catalog is unchanged, so
+    each is parsed once, not once per device per cycle. Holding the document keeps its id
+    from being reused by another object."""
+
+    LIMIT = 4096
+
+    def __init__(self) -> None:
+        self._parsed: dict[int, tuple[Any, dict[str, ModelFacts]]] = {}
+
+    def models(self, hb: Mapping[str, Any]) -> dict[str, ModelFacts]:
+        """`heartbeat_models(hb)`, parsed once per catalog document."""
+        doc = hb.get("models")
+        got = self._parsed.get(id(doc))
+        if got is None or got[0] is not doc:
+            if len(self._parsed) >= self.LIMIT:
+                self._parsed.clear()
+            got = (doc, heartbeat_models(hb))
+            self._parsed[id(doc)] = got
+        return got[1]
+
+
+def facts_index(
+    heartbeats: Mapping[str, Mapping[str, Any]], catalogs: Catalogs | None = None
+) -> dict[str, ModelFacts]:
+    """{name: `model_facts(heartbeats, name)`} for every model some live worker has, made in
+    one pass over the distinct catalogs (heartbeats sharing one `models` document count once:
+    the cautious facts are a max and a min, so repeats change nothing, and the first of
+    equal native areas stays first)."""
+    catalogs = catalogs or Catalogs()
+    distinct: dict[int, Mapping[str, Any]] = {}
+    for hb in heartbeats.values():
+        distinct.setdefault(id(hb.get("models")), hb)
+    found: dict[str, list[ModelFacts]] = {}
+    for hb in distinct.values():
+        for name, facts in catalogs.models(hb).items():
+            found.setdefault(name, []).append(facts)
+    return {name: ModelFacts.cautious(facts) for name, facts in found.items()}
 
 
 def model_facts(heartbeats: Mapping[str, Mapping[str, Any]], name: str) -> Facts | None:
@@ -199,15 +266,28 @@ class Snapshot:
     heads: dict[int, list[str]] = field(default_factory=dict)
     head_fields: dict[str, list[str]] = field(default_factory=dict)
     now: float = 0.0
+    catalogs: Catalogs | None = field(default=None, repr=False)
+    _facts: dict[str, ModelFacts] | None = field(default=None, init=False, repr=False)
+    _loras: dict[str, int] | None = field(default=None, init=False, repr=False)
+
+    def _index(self) -> dict[str, ModelFacts]:
+        """Every model's facts, made once per snapshot (a cycle asks per model and size)."""
+        if self._facts is None:
+            self._facts = facts_index(self.heartbeats, self.catalogs)
+        return self._facts
 
     def model_facts(self, name: str) -> Facts | None:
-        return model_facts(self.heartbeats, name)
+        if upscaler_name(name) is not None:
+            return model_facts(self.heartbeats, name)
+        return self._index().get(name)
 
     def models(self) -> list[str]:
-        return farm_models(self.heartbeats)
+        return sorted(self._index())
 
     def loras(self) -> dict[str, int]:
-        return farm_loras(self.heartbeats)
+        if self._loras is None:
+            self._loras = farm_loras(self.heartbeats)
+        return self._loras
 
     def running_by_submitter(self) -> dict[str, int]:
         counts: dict[str, int] = {}
@@ -223,10 +303,13 @@ def build_devices(
     running: Mapping[str, Mapping[str, str]],
     jobs: Mapping[str, Mapping[str, str]],
     backlog_limit: int = DEFAULT_BACKLOG,
+    cache: dict[str, tuple[Any, tuple[Any, ...], DeviceState]] | None = None,
 ) -> list[DeviceState]:
     """Every known device as a DeviceState, sorted by key; a live device's queued count is
     its `running:{device}` length, and models of jobs sent there that its heartbeat does not
-    list are counted as loading (`account` with sent=0)."""
+    list are counted as loading (`account` with sent=0). With `cache` (kept by the caller
+    between cycles), a device whose heartbeat is the same object and whose sent jobs are
+    the same as last time keeps its DeviceState instead of being built again."""
     out = []
     for key in sorted(set(known) | set(heartbeats)):
         entries = running.get(key, {})
@@ -234,20 +317,43 @@ def build_devices(
         if hb is None:
             out.append(dead_state(key, len(entries), backlog_limit))
             continue
+        sent = [(j, jobs.get(j) or {}) for j in sorted(entries)]
+        sig = (backlog_limit, *((j, job.get("model"), job.get("state"),
+                                 job.get("estimate")) for j, job in sent))  # fmt: skip
+        seen = cache.get(key) if cache is not None else None
+        if seen is not None and seen[0] is hb and seen[1] == sig:
+            out.append(seen[2])
+            continue
         state = device_state(key, hb, queued=len(entries), backlog_limit=backlog_limit)
-        for job_id in sorted(entries):
-            job = jobs.get(job_id) or {}
-            if job.get("model") and job.get("state") in ("placed", "running"):
-                state = account(state, job["model"], _int(job.get("estimate")), sent=0)
+        state = account_sent(
+            state,
+            [
+                (job["model"], _int(job.get("estimate")))
+                for _, job in sent
+                if job.get("model") and job.get("state") in ("placed", "running")
+            ],
+        )
+        if cache is not None:
+            cache[key] = (hb, sig, state)
         out.append(state)
+    if cache is not None and len(cache) > len(out):
+        live = {d.key for d in out}
+        for key in [k for k in cache if k not in live]:
+            del cache[key]
     return out
 
 
-def snapshot_of(reading: FarmReading, backlog_limit: int = DEFAULT_BACKLOG) -> Snapshot:
+def snapshot_of(
+    reading: FarmReading,
+    backlog_limit: int = DEFAULT_BACKLOG,
+    cache: dict[str, tuple[Any, tuple[Any, ...], DeviceState]] | None = None,
+    catalogs: Catalogs | None = None,
+) -> Snapshot:
     devices = build_devices(
-        reading.heartbeats, reading.known, reading.running, reading.jobs, backlog_limit
+        reading.heartbeats, reading.known, reading.running, reading.jobs, backlog_limit, cache
     )
     return Snapshot(
+        catalogs=catalogs,
         heartbeats=reading.heartbeats,
         devices=devices,
         running=reading.running,
@@ -264,8 +370,11 @@ class Registry:
     def __init__(self, store: Store, backlog_limit: int = DEFAULT_BACKLOG) -> None:
         self.store = store
         self.backlog_limit = backlog_limit
+        self._states: dict[str, tuple[Any, tuple[Any, ...], DeviceState]] = {}
+        self._catalogs = Catalogs()
 
     def snapshot(self, heads: int = 0, clear_wake: bool = False, facts: int = 4) -> Snapshot:
-        """The farm now (`Store.snapshot`) as placement sees it."""
+        """The farm now (`Store.snapshot`) as placement sees it; what did not change since
+        the last snapshot (heartbeats, catalogs, devices) is reused, not rebuilt."""
         reading = self.store.snapshot(heads=heads, clear_wake=clear_wake, facts=facts)
-        return snapshot_of(reading, self.backlog_limit)
+        return snapshot_of(reading, self.backlog_limit, self._states, self._catalogs)

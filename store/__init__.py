@@ -4,7 +4,7 @@ here, behind `Store`'s named transitions; no other module names a key or runs a 
 """
 
 from sdfarm.store.records import FINAL_STATES, STATES, Claim, JobResult, JobSpec
-from sdfarm.store.store import NOT_LEADER, FarmReading, QuotaExceededError, Store
+from sdfarm.store.store import NOT_LEADER, FarmReading, Placement, QuotaExceededError, Store
 
 __all__ = [
     "FINAL_STATES",
@@ -14,6 +14,7 @@ __all__ = [
     "FarmReading",
     "JobResult",
     "JobSpec",
+    "Placement",
     "QuotaExceededError",
     "Store",
 ]

@@ -17,7 +17,8 @@ only ones without a TTL; each is bounded (a capped list, a set of devices, a has
 | `done:{id}` | list | RESULT_TTL | one token once the job ended; waiters block on it (all) |
 | `events:{id}` channel | pub/sub | - | each event appended to the list, published too (all) |
 | `owned:{owner}` | zset | JOB_TTL | an owner's jobs admitted under a live-jobs quota (client) |
-| `hb:{host}/{device}` | string | HEARTBEAT_TTL | the device's heartbeat (worker) |
+| `hb:{host}/{device}` | string | HEARTBEAT_TTL | a device's heartbeat, catalog by digest (worker) |
+| `facts:{digest}` | string | HEARTBEAT_TTL | a catalog (`models`, `loras`) devices share (worker) |
 | `leader` | string | the lease | the active scheduler's token (scheduler) |
 | `rate:{...}` | string | 2 windows | a caller's count in one rate window (gateway, `limits`) |
 | farm-wide, no TTL: | | | |
@@ -125,6 +126,12 @@ def job_keys(job_id: str) -> list[str]:
 
 def heartbeat_key(device_key: str) -> str:
     return key("hb", device_key)
+
+
+def facts_key(digest: str) -> str:
+    """A heartbeat's catalog (its `models` and `loras`) under the digest of its JSON: every
+    device of one catalog names the same key, so the scheduler reads it once, not per cycle."""
+    return key("facts", digest)
 
 
 def running_key(device_key: str) -> str:

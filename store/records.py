@@ -39,14 +39,18 @@ MAX_PREVIEW_BYTES before base64; only the newest stays in the list, also in `pre
 done, failed (error), cancelled, retried.
 
 Heartbeat `hb:{host}/{device}` (JSON, see HEARTBEAT_FIELDS), written every HEARTBEAT_INTERVAL
-by the worker process that runs the jobs and deleted on a graceful stop.
+by the worker process that runs the jobs and deleted on a graceful stop. Its catalog (`models`,
+`loras`: the bulk of it, and the same on every device of one model folder) is stored apart
+under the digest of its JSON (`facts:{digest}`, CATALOG_FIELDS) and put back by every read.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 import uuid
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -244,6 +248,26 @@ class JobResult:
         count = int(decode(res.get("count")) or 0)
         pngs = [res[f"png:{i}"] for i in range(count) if f"png:{i}" in res]
         return cls(record, pngs, loads(res.get("meta"), {}), records)
+
+
+CATALOG_FIELDS = ("models", "loras")
+"""The heartbeat fields that change only when a worker's model folders do: stored once per
+distinct catalog (`facts:{digest}`), so a scheduler cycle reads a small document per device."""
+CATALOG_REF = "facts"
+"""The field of a stored heartbeat that names its catalog's digest."""
+
+
+def split_heartbeat(doc: Mapping[str, Any]) -> tuple[str, str, str]:
+    """(the heartbeat without its catalog, the catalog's digest, the catalog) as JSON; the
+    digest is "" when the document has no catalog fields (then it is stored whole)."""
+    catalog = {k: doc[k] for k in CATALOG_FIELDS if k in doc}
+    if not catalog:
+        return json.dumps(doc), "", ""
+    text = json.dumps(catalog, sort_keys=True)
+    digest = hashlib.sha1(text.encode()).hexdigest()
+    rest = {k: v for k, v in doc.items() if k not in CATALOG_FIELDS}
+    rest[CATALOG_REF] = digest
+    return json.dumps(rest), digest, text
 
 
 def parse_heartbeat(raw: bytes | str | None) -> dict[str, Any] | None:

@@ -52,6 +52,7 @@ from sdfarm.store.keys import (
     WEBHOOKS_KEY,
 )
 from sdfarm.store.records import (
+    CATALOG_REF,
     FINAL_STATES,
     PENDING_JOB_FIELDS,
     RUNNING_JOB_FIELDS,
@@ -66,6 +67,7 @@ from sdfarm.store.records import (
     new_job_id,
     new_job_record,
     parse_heartbeat,
+    split_heartbeat,
 )
 
 NOT_LEADER = -1
@@ -115,6 +117,25 @@ class FarmReading:
     now: float = 0.0
 
 
+@dataclass(frozen=True)
+class Placement:
+    """One job sent to a device (`Store.place_many`): where, under which dispatch id, with
+    its estimate, tier, the engines the worker evicts first and its Celery message
+    `(queue list, body)`."""
+
+    job_id: str
+    priority: int
+    device: str
+    dispatch: str
+    estimate: int
+    tier: str
+    evict: tuple[str, ...]
+    message: tuple[str, str]
+    tiling: Mapping[str, Any] | None = None
+    """The job's VAE tiling plan on that device (the JSON of sdfarm.native.tiling.TilingPlan),
+    kept in the record for its worker; None: the worker's engine plans by itself."""
+
+
 class Store:
     """The farm's Redis (a redis-py client with decode_responses off). Thread-safe as redis-py
     is: the scripts are registered once per Store, on its client's connection pool."""
@@ -122,6 +143,8 @@ class Store:
     def __init__(self, client: Any) -> None:
         self.r = client
         self._lua = scripts.register(client)
+        self._catalogs: dict[str, dict[str, Any]] = {}
+        self._parsed: dict[str, tuple[bytes, dict[str, Any]]] = {}
 
     @classmethod
     def connect(cls, url: str, **options: Any) -> Store:
@@ -317,10 +340,34 @@ class Store:
             hb = parse_heartbeat(raw)
             if hb is not None:
                 out[k] = hb
+        self._with_catalogs(out.values())
         return out
 
     def heartbeat(self, device_key: str) -> dict[str, Any] | None:
-        return parse_heartbeat(self.r.get(keys.heartbeat_key(device_key)))
+        hb = parse_heartbeat(self.r.get(keys.heartbeat_key(device_key)))
+        if hb is not None:
+            self._with_catalogs([hb])
+        return hb
+
+    def _with_catalogs(self, hbs: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Put each heartbeat's catalog (`models`, `loras`) back in place of its digest, read
+        once per digest and kept: every heartbeat of one catalog gets the same objects (read
+        them, never change them). Returns the heartbeats whose catalog is gone (expired)."""
+        hbs = [hb for hb in hbs if isinstance(hb.get(CATALOG_REF), str)]
+        wanted = sorted({hb[CATALOG_REF] for hb in hbs} - self._catalogs.keys())
+        if wanted:
+            raws = self.r.mget([keys.facts_key(d) for d in wanted])
+            for digest, raw in zip(wanted, raws, strict=True):
+                doc = loads(raw, None)
+                if isinstance(doc, dict):
+                    self._catalogs[digest] = doc
+        missing = []
+        for hb in hbs:
+            catalog = self._catalogs.get(hb.pop(CATALOG_REF))
+            if catalog is None:
+                missing.append(hb)
+            hb.update(catalog or {"models": {}, "loras": {}})
+        return missing
 
     def queues(self) -> dict[str, Any]:
         """Queue depth by priority, jobs pending, the leader's token and the config."""
@@ -358,10 +405,17 @@ class Store:
             ],
         )
         out = FarmReading(now=float(decode(now)))
+        parsed, fresh = self._parsed, {}
         for raw_key, raw_hb, raw_running, raw_jobs in raw_devices:
             k = decode(raw_key)
             out.known.append(k)
-            hb = parse_heartbeat(raw_hb)
+            seen = parsed.get(k)
+            if seen is not None and raw_hb is not None and seen[0] == raw_hb:
+                hb: dict[str, Any] | None = seen[1]  # unchanged since the last read: parsed
+            else:
+                hb = parse_heartbeat(raw_hb)
+                if hb is not None and raw_hb is not None:
+                    fresh[k] = (raw_hb, hb)
             if hb is not None:
                 out.heartbeats[k] = hb
             ids = [decode(x) for x in raw_running[0::2]]
@@ -380,7 +434,26 @@ class Store:
             for ids, got in zip(raw_heads, raw_facts, strict=True)
             for i, values in zip(ids, got, strict=False)
         }
+        self._remember(out.heartbeats, fresh)
         return out
+
+    def _remember(
+        self, heartbeats: dict[str, dict[str, Any]], fresh: dict[str, tuple[bytes, Any]]
+    ) -> None:
+        """Resolve the catalogs of the heartbeats parsed now and keep each device's latest
+        (raw, parsed) pair: a heartbeat changes once a second, a busy scheduler reads the farm
+        many times a second, and parsing every device's document each time was most of a
+        cycle on a large farm. Catalogs no live heartbeat names are let go."""
+        missing = self._with_catalogs(hb for _, hb in fresh.values())
+        gone = {id(hb) for hb in missing}
+        parsed = {k: v for k, v in self._parsed.items() if k in heartbeats and k not in fresh}
+        parsed.update((k, v) for k, v in fresh.items() if id(v[1]) not in gone)
+        self._parsed = parsed
+        if len(self._catalogs) > 64:
+            named = {id(hb.get("models")) for hb in heartbeats.values()}
+            self._catalogs = {
+                d: c for d, c in self._catalogs.items() if id(c.get("models")) in named
+            }
 
     # -- place, fail, requeue, forget (the leader scheduler) -----------------------------------
 
@@ -400,38 +473,41 @@ class Store:
         """1 placed (and its Celery message `(queue list, body)` pushed), 0 no longer queued,
         NOT_LEADER. `tiling` is the job's VAE tiling plan on that device (the JSON of
         sdfarm.native.tiling.TilingPlan), kept in the record for its worker."""
-        queue, body = message
-        plan = json.dumps(dict(tiling)) if tiling is not None else ""
-        placed = event(
-            "placed", device=device, tier=tier, evict=list(evict), estimate=estimate,
-            tiled=bool(tiling and tiling.get("tiled")),
+        placing = Placement(job_id, priority, device, dispatch, estimate, tier, tuple(evict),
+                            message, tiling)  # fmt: skip
+        return int(self._lua["place"](*self._place_call(token, placing)))
+
+    def place_many(self, token: str, placements: Sequence[Placement]) -> list[int]:
+        """`place` for each of `placements`, in order, in one round trip (a pipeline: each
+        is its own atomic step, as a `place` call is); their return codes in order."""
+        if not placements:
+            return []
+        pipe = self.r.pipeline(transaction=False)
+        for placing in placements:
+            self._lua["place"](*self._place_call(token, placing), client=pipe)
+        return [int(rc) for rc in pipe.execute()]
+
+    @staticmethod
+    def _place_call(token: str, p: Placement) -> tuple[list[Any], list[Any]]:
+        """The keys and arguments of place.lua for `p`."""
+        queue, body = p.message
+        plan = json.dumps(dict(p.tiling)) if p.tiling is not None else ""
+        tiled = bool(p.tiling and p.tiling.get("tiled"))
+        placed = event("placed", device=p.device, tier=p.tier, evict=list(p.evict),
+                       estimate=p.estimate, tiled=tiled)  # fmt: skip
+        return (
+            [
+                keys.job_key(p.job_id),
+                keys.pending_key(p.priority),
+                keys.running_key(p.device),
+                PENDING_COUNT_KEY,
+                keys.events_key(p.job_id),
+                LEADER_KEY,
+                queue,
+            ],
+            [token, p.job_id, p.dispatch, p.device, placed, p.estimate, p.tier, EVENTS_CAP,
+             body, JOB_TTL, plan],
         )  # fmt: skip
-        return int(
-            self._lua["place"](
-                keys=[
-                    keys.job_key(job_id),
-                    keys.pending_key(priority),
-                    keys.running_key(device),
-                    PENDING_COUNT_KEY,
-                    keys.events_key(job_id),
-                    LEADER_KEY,
-                    queue,
-                ],
-                args=[
-                    token,
-                    job_id,
-                    dispatch,
-                    device,
-                    placed,
-                    estimate,
-                    tier,
-                    EVENTS_CAP,
-                    body,
-                    JOB_TTL,
-                    plan,
-                ],
-            )  # fmt: skip
-        )
 
     def fail(
         self,
@@ -827,9 +903,15 @@ class Store:
     # -- heartbeats and queues (the worker) ----------------------------------------------------
 
     def beat(self, device_key: str, doc: Mapping[str, Any], ttl_s: float) -> None:
-        """Write the device's heartbeat with a TTL and add it to the known devices."""
+        """Write the device's heartbeat with a TTL and add it to the known devices. Its
+        catalog goes first, under its digest, with the same TTL (records.split_heartbeat), so
+        a reader that sees the heartbeat finds the catalog."""
+        text, digest, catalog = split_heartbeat(doc)
+        ttl = int(ttl_s * 1000)
         pipe = self.r.pipeline(transaction=False)
-        pipe.set(keys.heartbeat_key(device_key), json.dumps(doc), px=int(ttl_s * 1000))
+        if digest:
+            pipe.set(keys.facts_key(digest), catalog, px=ttl)
+        pipe.set(keys.heartbeat_key(device_key), text, px=ttl)
         pipe.sadd(DEVICES_KEY, device_key)
         pipe.execute()
 

@@ -252,3 +252,51 @@ def test_the_tiling_plan_travels_from_placement_to_the_claim(store: Store) -> No
     assert placed["tiled"] is True
     claim = store.claim(job_id, dispatch, "inc", "w")
     assert claim is not None and claim.tiling == plan and claim.estimate == 456
+
+
+def test_heartbeat_catalogs_are_stored_once_and_read_back_in_place(store: Store) -> None:
+    """Two devices of one catalog share one `facts:{digest}` key; every read puts `models`
+    and `loras` back; a snapshot reuses an unchanged heartbeat and shares the catalog."""
+    catalog = {"models": {"m": {"bytes": 5, "native_size": [64, 64]}}, "loras": {"l": 3}}
+    for name in ("a", "b"):
+        store.beat(f"{name}/CPU", {"host": name, "state": "idle", **catalog}, 5.0)
+    facts = list(store.r.keys("sdfarm:facts:*"))
+    assert len(facts) == 1 and 0 < store.r.pttl(facts[0]) <= 5000
+    assert b"models" not in store.r.get(keys.heartbeat_key("a/CPU"))  # only its digest
+    assert store.heartbeat("a/CPU") == {"host": "a", "state": "idle", **catalog}
+    assert store.heartbeats()["b/CPU"]["loras"] == {"l": 3}
+    first = store.snapshot()
+    assert first.heartbeats["a/CPU"] == {"host": "a", "state": "idle", **catalog}
+    assert first.heartbeats["a/CPU"]["models"] is first.heartbeats["b/CPU"]["models"]
+    second = store.snapshot()
+    assert second.heartbeats["a/CPU"] is first.heartbeats["a/CPU"]  # unchanged: not parsed
+    store.beat("a/CPU", {"host": "a", "state": "busy", **catalog}, 5.0)
+    third = store.snapshot()
+    assert third.heartbeats["a/CPU"]["state"] == "busy"
+    assert third.heartbeats["b/CPU"] is first.heartbeats["b/CPU"]
+    store.beat("c/CPU", {"host": "c"}, 5.0)  # no catalog: stored whole
+    assert store.heartbeat("c/CPU") == {"host": "c"}
+
+
+def test_a_heartbeat_whose_catalog_expired_lists_no_models(store: Store) -> None:
+    store.beat("a/CPU", {"host": "a", "models": {"m": {}}, "loras": {}}, 5.0)
+    for k in store.r.keys("sdfarm:facts:*"):
+        store.r.delete(k)
+    assert store.snapshot().heartbeats["a/CPU"]["models"] == {}  # no worker-less model placed
+    store.beat("a/CPU", {"host": "a", "models": {"m": {}}, "loras": {}}, 5.0)
+    assert store.snapshot().heartbeats["a/CPU"]["models"] == {"m": {}}
+
+
+def test_place_many_places_each_in_order_and_is_fenced(store: Store) -> None:
+    from sdfarm.store import Placement
+
+    ids = [submit(store) for _ in range(3)]
+    store.cancel(ids[1])
+    sends = [Placement(j, 5, "h/CPU", new_dispatch_id(), 7, "fits", (), HELD) for j in ids]
+    assert store.place_many(TOKEN, sends) == [1, 0, 1]
+    assert [store.state(j) for j in ids] == ["placed", "cancelled", "placed"]
+    assert store.record(ids[0])["dispatch"] == sends[0].dispatch
+    assert store.r.llen(HELD[0]) == 2 and store.place_many(TOKEN, []) == []
+    other = submit(store)
+    assert store.place_many("other", [replace(sends[0], job_id=other)]) == [NOT_LEADER]
+    assert store.state(other) == "queued"

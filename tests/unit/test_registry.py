@@ -15,10 +15,13 @@ from sdfarm.native.memory import IM2COL_DECODE_BYTES_PER_PIXEL as IM2COL
 from sdfarm.native.memory import SEED_OVERHEAD
 from sdfarm.scheduler.placement import GiB, LoadedModel
 from sdfarm.scheduler.registry import (
+    Catalogs,
     account,
+    account_sent,
     build_devices,
     device_state,
     device_type,
+    facts_index,
     farm_models,
     heartbeat_models,
     loaded_models,
@@ -115,6 +118,60 @@ def test_model_facts_takes_the_cautious_facts_and_none_when_missing() -> None:
     assert model_facts(hbs, "m") == ModelFacts(300, (512, 512), 0)
     assert model_facts(hbs, "other") is None
     assert farm_models(hbs) == ["m"]
+
+
+def test_the_facts_index_agrees_with_model_facts_reading_each_catalog_once() -> None:
+    """Heartbeats sharing one `models` document (as the store hands them out) are parsed
+    once; the index gives what `model_facts` gives per name, equal native areas included."""
+    shared = {"m": model(100, (512, 768)), "n": model(7)}
+    hbs = {
+        "h1/CUDA0": hb(models=shared),
+        "h2/CUDA0": hb("h2", models={"m": model(50, (768, 512)), "bad": "x"}),
+        "h3/CUDA0": hb("h3", models=shared),
+        "h4/CPU": hb("h4", "CPU", "cpu"),
+    }
+    catalogs = Catalogs()
+    index = facts_index(hbs, catalogs)
+    assert index == {name: model_facts(hbs, name) for name in ("m", "n")}
+    assert index["m"].native_size == (512, 768)  # the first of equal areas, as model_facts
+    assert len(catalogs._parsed) == 3  # shared, h2's, and h4's missing document
+    assert catalogs.models(hbs["h3/CUDA0"]) is catalogs.models(hbs["h1/CUDA0"])
+    assert sorted(facts_index(hbs)) == farm_models(hbs)
+
+
+@pytest.mark.parametrize("seed", range(50))
+def test_account_sent_is_account_job_after_job(seed: int) -> None:
+    import random
+
+    rng = random.Random(seed)
+    loaded = [
+        {"name": n, "estimate": rng.randint(0, 4) * GiB, "busy": rng.random() < 0.3}
+        for n in rng.sample("abcde", rng.randint(0, 3))
+    ]
+    state = device_state("h1/CUDA0", hb(compute=rng.choice([0, 3, 20]), loaded=loaded))
+    sent = [(rng.choice("abcdefg"), rng.randint(-1, 6) * GiB) for _ in range(rng.randint(0, 4))]
+    want = state
+    for model, estimate in sent:
+        want = account(want, model, estimate, sent=0)
+    assert account_sent(state, sent) == want
+
+
+def test_build_devices_reuses_a_device_whose_heartbeat_and_jobs_are_unchanged() -> None:
+    beat = hb(loaded=[{"name": "a", "estimate": GiB}])
+    running = {"h1/CUDA0": {"j1": "d1"}}
+    jobs = {"j1": {"state": "placed", "model": "m", "estimate": str(GiB)}}
+    cache: dict = {}
+    first = build_devices({"h1/CUDA0": beat}, [], running, jobs, cache=cache)
+    again = build_devices({"h1/CUDA0": beat}, [], running, jobs, cache=cache)
+    assert again[0] is first[0]
+    assert first == build_devices({"h1/CUDA0": beat}, [], running, jobs)  # same as uncached
+    moved = {"j1": {"state": "running", "model": "m", "estimate": str(GiB)}}
+    assert build_devices({"h1/CUDA0": beat}, [], running, moved, cache=cache)[0] is not first[0]
+    fresh = dict(beat)
+    rebuilt = build_devices({"h1/CUDA0": fresh}, [], running, moved, cache=cache)[0]
+    assert rebuilt == first[0] and rebuilt is not first[0]  # a new heartbeat object: rebuilt
+    build_devices({}, [], {}, {}, cache=cache)
+    assert cache == {}  # gone devices leave the cache
 
 
 def test_malformed_model_entries_are_left_out() -> None:
