@@ -13,6 +13,8 @@
 #   bash bench/gpu_run.sh twogpu    # two GPUs: choice, warning, refusal sum, two-worker batch
 #   bash bench/gpu_run.sh features  # peak vs estimate of img2img/inpaint/hires; step caches
 #   bash bench/gpu_run.sh tiling    # VAE tiling table; 4096x4096 under a figure refusing it untiled
+#   bash bench/gpu_run.sh peer      # engines per GPU; the diffusers peer, eager and compiled
+#   bash bench/gpu_run.sh tilingpeer # both in one call
 #
 # Carried: .whl/*.whl (our dependencies and pytest for python3.12), .carry/{redis-server,
 # stable_diffusion_cpp_python-0.4.7.tar.gz}; for the Vulkan stages also .gl/*.deb (Vulkan
@@ -304,19 +306,42 @@ features() {
 }
 
 # VAE tiling (bench/vae_tiling.py): peak and time untiled against tiled at 1024, 2048 and
-# 4096, then 4096x4096 on a device whose figure refuses it untiled.
+# 4096, then 4096x4096 with vae_tiling auto, which the H200's own figure refuses untiled.
 tiling() {
     ensure
     mkdir -p "$OUT/cuda"
-    on_cuda 420 bench/vae_tiling.py --model "$MODEL" --sizes 1024,2048,4096 \
-        --out "$OUT/cuda/vae-tiling.json"
+    on_cuda 300 bench/vae_tiling.py "$MODEL" --sizes 1024 2048 4096 --modes off on \
+        --device cuda --runtime-dir "$CUDA_DIR" --timeout 150 --out "$OUT/cuda/vae-tiling.json"
+    on_cuda 150 bench/vae_tiling.py "$MODEL" --sizes 4096 --modes auto \
+        --device cuda --runtime-dir "$CUDA_DIR" --timeout 140 --out "$OUT/cuda/vae-tiling-auto-4096.json"
+}
+
+# Images/s per GPU: several engines on the H200 (bench/engines_per_gpu.py), then the peer,
+# PyTorch + diffusers with the same architecture (bench/peer_diffusers.py; the diffusers
+# wheel carried in .whl), eager, then compiled while the phase's time lasts.
+peer() {
+    ensure
+    mkdir -p "$OUT/cuda"
+    say "engines_per_gpu.py at 512, 1 step"
+    on_cuda 150 bench/engines_per_gpu.py --model "$MODEL" --engines 1,2,4,8 --size 512 \
+        --steps 1 --images 16 --out "$OUT/cuda/engines-per-gpu-512.json"
+    say "peer_diffusers.py"
+    local left=$(( PHASE_BUDGET - $(now) - 20 ))
+    timeout "$left" $PY bench/peer_diffusers.py --sizes 512,1024 --steps 1,4 --batches 1,4 \
+        --compile --runs 5 --deadline $(( left - 150 )) --out "$OUT/cuda/peer-diffusers.json"
+}
+
+# Both, in one call of the device: tiling first, then what is left for the peer.
+tilingpeer() {
+    tiling
+    peer
 }
 
 case "$PHASE" in
     setup | bench1 | bench2) ;;
     cuda_recheck | cudafarm | overhead | speedbatch | gputests | cpu1024 | twogpu) ;;
-    features | tiling) ;;
-    *) echo "usage: bash bench/gpu_run.sh setup|bench1|bench2|cuda_recheck|cudafarm|overhead|speedbatch|gputests|cpu1024|twogpu|features|tiling" >&2; exit 2 ;;
+    features | tiling | peer | tilingpeer) ;;
+    *) echo "usage: bash bench/gpu_run.sh setup|bench1|bench2|cuda_recheck|cudafarm|overhead|speedbatch|gputests|cpu1024|twogpu|features|tiling|peer|tilingpeer" >&2; exit 2 ;;
 esac
 set -o pipefail
 mkdir -p "$OUT"
