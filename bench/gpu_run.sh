@@ -311,9 +311,9 @@ tiling() {
     ensure
     mkdir -p "$OUT/cuda"
     on_cuda 300 bench/vae_tiling.py "$MODEL" --sizes 1024 2048 4096 --modes off on \
-        --device cuda --runtime-dir "$CUDA_DIR" --timeout 150 --out "$OUT/cuda/vae-tiling.json"
+        --device cuda --runtime-dir "$CUDA_DIR" --log-level info --timeout 150 --out "$OUT/cuda/vae-tiling.json"
     on_cuda 150 bench/vae_tiling.py "$MODEL" --sizes 4096 --modes auto \
-        --device cuda --runtime-dir "$CUDA_DIR" --timeout 140 --out "$OUT/cuda/vae-tiling-auto-4096.json"
+        --device cuda --runtime-dir "$CUDA_DIR" --log-level info --timeout 140 --out "$OUT/cuda/vae-tiling-auto-4096.json"
 }
 
 # Images/s per GPU: several engines on the H200 (bench/engines_per_gpu.py), then the peer,

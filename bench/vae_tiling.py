@@ -54,7 +54,7 @@ if spec["figure"]:
 out = {}
 try:
     e = Engine.load(spec["model"], device=spec["device"], figures=figures,
-                    check_memory=spec["check"], log=LogConfig(level="debug"))
+                    check_memory=spec["check"], log=LogConfig(level=spec.get("log_level", "debug")))
     w, h = spec["size"]
     p = GenerationParams(prompt="a lighthouse on a cliff at dusk", width=w, height=h,
                          steps=spec["steps"], seed=42, vae_tiling=spec["mode"])
@@ -192,6 +192,12 @@ def main() -> int:
     p.add_argument("--no-check-memory", action="store_true")
     p.add_argument("--timeout", type=float, default=3600.0)
     p.add_argument("--save-images", default=None, help="a folder for the generated PNGs")
+    p.add_argument(
+        "--log-level",
+        default="debug",
+        help="the engine's log level in each case (debug: the runtime's tile count is read "
+        "from its records)",
+    )
     p.add_argument("--out", default=None)
     args = p.parse_args()
     modes = args.modes or (["auto"] if args.figure else ["off", "on"])
@@ -221,6 +227,7 @@ def main() -> int:
                 "model": str(args.model), "device": engine_device, "device_label": args.device,
                 "size": [size, size], "steps": args.steps, "mode": mode,
                 "figure": args.figure, "check": not args.no_check_memory, "save": save,
+                "log_level": args.log_level,
             }  # fmt: skip
             row = {"size": f"{size}x{size}", "mode": mode, **measure(spec, env, args.timeout)}
             rows.append(row)
