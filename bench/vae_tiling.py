@@ -35,7 +35,6 @@ GiB = 1024**3
 
 CHILD = r"""
 import json, sys, time
-import numpy as np
 from dataclasses import replace
 from sdfarm.native.engine import Engine, LogConfig
 from sdfarm.native.errors import EngineError
@@ -70,6 +69,7 @@ try:
     out["warnings"] = r.metadata["warnings"]
     out["tiles_logged"] = [x.message for x in r.records if "processing" in x.message
                            and "tiles" in x.message]
+    import numpy as np  # only now: numpy loaded before the CUDA runtime crashed its load
     px = np.asarray(r.image, dtype=np.float32)
     out["image"] = {"size": list(r.image.size), "std": float(px.std())}
     if spec.get("save"):

@@ -141,7 +141,11 @@ class Farm:
 
 @pytest.fixture(scope="module")
 def farm(redis_server: Any) -> Farm:
-    return Farm(redis_server.url)
+    """The module's farm on the session's redis-server, emptied first: a module before this
+    one may have left a leader lease (tests/integration/test_store.py holds one for 60 s)."""
+    f = Farm(redis_server.url)
+    f.store.r.flushall()
+    return f
 
 
 def _worker(

@@ -202,16 +202,15 @@ def test_a_preview_image_is_never_scrubbed_and_a_removed_preview_keeps_the_place
     image = "AAAA+/tmp/x/yy=="
     store = FakeStore([ev("queued", 1), ev("preview", 2, seq=1, image=image, note="/tmp/a")])
 
-    def script(s: FakeStore) -> None:
-        if s.reads == 3:  # the next preview replaces the first one
-            s.events = [ev("queued", 1), ev("step", 3), ev("preview", 4, seq=2, image=image)]
-        elif s.reads == 6:
-            s.events += [ev("done", 5)]
-            s.job_state = "done"
+    async def script(s: FakeStore) -> None:
+        await asyncio.sleep(0.05)  # the next preview replaces the first one
+        s.events = [ev("queued", 1)]
+        s.publish(ev("step", 3), ev("preview", 4, seq=2, image=image))
+        await asyncio.sleep(0.05)
+        s.publish(ev("done", 5), state="done")
 
-    store.on_read = script
-    chunks = collect(store, clean=lambda text: text.replace("/tmp", "<path>"))
-    assert kinds(chunks) == ["queued", "preview", "step", "preview", "done"]
-    first = json.loads(chunks[1].split("data: ", 1)[1])
+    items = collect(store, script, clean=lambda text: text.replace("/tmp", "<path>"))
+    assert kinds(items) == ["queued", "preview", "step", "preview", "done"]
+    first = json.loads(items[1]["data"])
     assert first["image"] == image and first["note"] == "<path>/a"
-    assert json.loads(chunks[3].split("data: ", 1)[1])["seq"] == 2
+    assert json.loads(items[3]["data"])["seq"] == 2
