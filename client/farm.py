@@ -232,14 +232,15 @@ class Farm:
         upscaler: str,
         *,
         owner: str = "",
+        quota: int = 0,
         **fields: Any,
     ) -> Job:
         """Queue one upscale of `image` (bytes or a file path) by `upscaler` (a name in the
         farm's upscalers/ folders); the job's result is the upscaled PNG. `fields` are the
         other upscale parameters (sdfarm.native.upscale_params: factor, tile_size) and the job
-        options. InvalidParameterError before anything is queued (an unknown name, a bad
-        image, factor or tile size, an upscaler no live worker has included); FarmBusyError
-        at the queue limit."""
+        options; `owner` and `quota` as `submit`'s. InvalidParameterError before anything is
+        queued (an unknown name, a bad image, factor or tile size, an upscaler no live worker
+        has included); FarmBusyError at the queue limit."""
         options = {k: fields.pop(k) for k in OPTION_NAMES if k in fields}
         values = {"image": image, "upscaler": upscaler, **fields}
         params = upscale_params.validate(
@@ -252,7 +253,8 @@ class Farm:
             model=upscaler_key(params.upscaler), params=doc, kind="upscale", owner=owner,
             **asdict(opts),
         )  # fmt: skip
-        return self.submit_spec(replace(spec, submitter=opts.submitter or self.submitter), inputs)
+        spec = replace(spec, submitter=opts.submitter or self.submitter)
+        return self.submit_spec(spec, inputs, quota)
 
     def _check_upscaler(self, params: upscale_params.UpscaleParams) -> None:
         """InvalidParameterError naming an upscaler no live worker has, or a factor that is

@@ -377,3 +377,27 @@ def progress_doc(
         "current_image": preview,
         "textinfo": None,
     }
+
+
+def extras_fields(body: Mapping[str, Any]) -> dict[str, Any]:
+    """The upscale job (Farm.upscale's image, upscaler and factor) of an extra-single-image
+    body. Face restoration, a second upscaler and resizing to a size are refused by name; the
+    factor is the upscaler's own scale (the runtime makes no other), so `upscaling_resize`
+    must be that scale (the farm refuses another, naming it)."""
+    for name in ("gfpgan_visibility", "codeformer_visibility", "extras_upscaler_2_visibility"):
+        if float(body.get(name) or 0) > 0:
+            raise InvalidParameterError(name, "not available on this farm")
+    if int(body.get("resize_mode") or 0) != 0:
+        raise InvalidParameterError(
+            "resize_mode", "only resize_mode 0 (by upscaling_resize) is available"
+        )
+    upscaler = body.get("upscaler_1")
+    if not upscaler or upscaler == "None":
+        raise InvalidParameterError("upscaler_1", "name an upscaler (GET /sdapi/v1/upscalers)")
+    if not body.get("image"):
+        raise InvalidParameterError("image", "give the image to upscale, base64")
+    return {
+        "image": body["image"],
+        "upscaler": str(upscaler),
+        "factor": _number(body, "upscaling_resize", 0),
+    }

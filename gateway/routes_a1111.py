@@ -12,6 +12,7 @@ A1111 serves one user's one checkpoint; here each token has its own default mode
 
 from __future__ import annotations
 
+import base64
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
@@ -23,6 +24,7 @@ from sdfarm.gateway.auth import Caller, caller, job_quota, require_token
 from sdfarm.gateway.errors import APIError, _errors, _farm_error
 from sdfarm.gateway.routes_openai import failure_reason
 from sdfarm.gateway.schemas import decode_image, json_body
+from sdfarm.native.errors import InvalidParameterError
 
 router = APIRouter(prefix="/sdapi/v1", dependencies=[Depends(require_token)])
 MODEL_PREF = "sd_model_checkpoint"
@@ -139,16 +141,66 @@ def loras(request: Request) -> Any:
     return [{"name": n, "alias": n, "path": n, "metadata": {}} for n in names]
 
 
-@router.get("/upscalers", responses=_errors(401))
-def upscalers() -> Any:
-    """The hires pass's upscalers (latent space only: see a1111.LATENT_UPSCALERS)."""
+@router.get("/upscalers", responses=_errors(401, 503))
+def upscalers(request: Request) -> Any:
+    """The farm's ESRGAN upscalers (for extra-single-image), then the hires pass's latent
+    ones (a1111.LATENT_UPSCALERS)."""
+    try:
+        farm_ups = request.app.state.farm.upscalers()
+    except Exception as exc:  # noqa: BLE001
+        raise _farm_error(exc) from None
     rows = [{"name": "None", "model_name": None, "model_path": None, "model_url": None,
              "scale": 4}]  # fmt: skip
+    rows += [
+        {
+            "name": u["name"],
+            "model_name": u["name"],
+            "model_path": None,
+            "model_url": None,
+            "scale": u["scale"],
+        }  # fmt: skip
+        for u in farm_ups
+    ]
     rows += [
         {"name": n, "model_name": None, "model_path": None, "model_url": None, "scale": 2}
         for n in a1111.LATENT_UPSCALERS
     ]
     return rows
+
+
+def _submit_upscale(request: Request, body: dict[str, Any]) -> Job:
+    fields = a1111.extras_fields(body)
+    fields["image"] = decode_image("image", fields["image"])
+    try:
+        job = request.app.state.farm.upscale(
+            fields.pop("image"),
+            fields.pop("upscaler"),
+            owner=caller(request).owner,
+            quota=job_quota(request),
+            submitter="a1111",
+            **fields,
+        )
+    except InvalidParameterError as exc:  # name the A1111 field
+        names = {"factor": "upscaling_resize", "upscaler": "upscaler_1"}
+        why = str(exc).partition(": ")[2]
+        raise InvalidParameterError(names.get(exc.parameter, exc.parameter), why) from None
+    request.app.state.recent.add(job.id)
+    return job
+
+
+@router.post("/extra-single-image", responses=_errors(400, 401, 404, 409, 413, 429, 500, 503))
+async def extra_single_image(request: Request, body: Any = Depends(json_body)) -> Any:  # noqa: B008
+    """Upscale one image with a farm upscaler (an upscale job): {"image": base64 PNG}."""
+    farm: Farm = request.app.state.farm
+    try:
+        job = await run_in_threadpool(_submit_upscale, request, _object(body))
+        result = await job.result_async(request.app.state.aio.get(), request.app.state.timeout_s)
+    except JobFailed as exc:
+        reason = await run_in_threadpool(failure_reason, farm, exc.job_id)
+        raise _farm_error(exc, reason=reason) from None
+    except Exception as exc:  # noqa: BLE001 - every error becomes an HTTP error
+        raise _farm_error(exc) from None
+    return {"html_info": "", "image": base64.b64encode(result.pngs[0]).decode()}
 
 
 @router.get("/scripts", responses=_errors(401))
@@ -215,10 +267,12 @@ def progress(request: Request) -> Any:
         return a1111.progress_doc(None, jobs[0][1] if jobs else None)
     job_id, state = live[0]
     try:
-        prog = farm.job(job_id).progress()
+        job = farm.job(job_id)
+        prog, preview = job.progress(), job.preview()
     except Exception as exc:  # noqa: BLE001
         raise _farm_error(exc) from None
-    return a1111.progress_doc(prog, state)
+    image = base64.b64encode(preview.data).decode() if preview is not None else None
+    return a1111.progress_doc(prog, state, image)
 
 
 @router.post("/interrupt", responses=_errors(401, 503))

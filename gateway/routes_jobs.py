@@ -92,7 +92,11 @@ def create_upscale(request: Request, body: Any = Depends(json_body)) -> Any:  # 
     values = upscale_args(parse(UpscaleRequest, body).model_dump())
     try:
         job = request.app.state.farm.upscale(
-            values.pop("image"), values.pop("upscaler"), owner=caller(request).owner, **values
+            values.pop("image"),
+            values.pop("upscaler"),
+            owner=caller(request).owner,
+            quota=job_quota(request),
+            **values,
         )
     except Exception as exc:  # noqa: BLE001
         raise _farm_error(exc) from None

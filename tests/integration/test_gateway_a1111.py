@@ -205,3 +205,60 @@ def test_progress_and_interrupt(http: httpx.Client, gateway: str) -> None:
     assert answer["resp"].status_code == 409, answer["resp"].text
     after = http.get("/progress").json()
     assert after["state"]["job_count"] == 0
+
+
+def test_webuiapi_extra_single_image_upscales_on_the_farm(api: webuiapi.WebUIApi) -> None:
+    names = {u["name"]: u["scale"] for u in api.get_upscalers()}
+    assert names.get("tiny-esrgan-x2") == 2
+    img = _noise(5, 32)
+    up = api.extra_single_image(image=img, upscaler_1="tiny-esrgan-x2", upscaling_resize=2)
+    again = api.extra_single_image(image=img, upscaler_1="tiny-esrgan-x2", upscaling_resize=2)
+    other = api.extra_single_image(image=_noise(6, 32), upscaler_1="tiny-esrgan-x2",
+                                   upscaling_resize=2)  # fmt: skip
+    assert up.image.size == (64, 64)
+    assert _pixels(up.image) == _pixels(again.image) != _pixels(other.image)
+
+
+@pytest.mark.parametrize(
+    ("field", "body"),
+    [("upscaling_resize", {"upscaler_1": "tiny-esrgan-x2", "upscaling_resize": 3}),
+     ("upscaler_1", {"upscaler_1": "nope", "upscaling_resize": 2}),
+     ("gfpgan_visibility", {"upscaler_1": "tiny-esrgan-x2", "gfpgan_visibility": 0.5})],
+)  # fmt: skip
+def test_extras_refused_by_name(http: httpx.Client, field: str, body: dict[str, Any]) -> None:
+    buf = io.BytesIO()
+    _noise(7, 32).save(buf, format="PNG")
+    image = base64.b64encode(buf.getvalue()).decode()
+    resp = http.post("/extra-single-image", json={"image": image, **body})
+    assert resp.status_code in (400, 404), resp.text
+    assert resp.json()["error"]["param"] == field
+
+
+def test_progress_shows_the_running_jobs_preview(http: httpx.Client, gateway: str) -> None:
+    answer: dict[str, Any] = {}
+
+    def job() -> None:
+        body = {"prompt": "a preview", "seed": 3, "width": 128, "height": 128, "steps": 30,
+                "cfg_scale": 1.0, "override_settings": {}}  # fmt: skip
+        with httpx.Client(headers={"Authorization": f"Bearer {TOKEN}"}, timeout=120) as c:
+            answer["resp"] = c.post(
+                f"{gateway}/v1/jobs",
+                json={
+                    "model": "tiny-q8_0",
+                    "preview_every": 1,
+                    **{k: v for k, v in body.items() if k != "override_settings"},
+                },
+            )
+
+    job()
+    assert answer["resp"].status_code == 202, answer["resp"].text
+    deadline = time.monotonic() + 60
+    seen = None
+    while time.monotonic() < deadline and seen is None:
+        doc = http.get("/progress").json()
+        seen = doc["current_image"]
+        time.sleep(0.05)
+    assert seen is not None, "no preview while the job ran"
+    img = Image.open(io.BytesIO(base64.b64decode(seen)))
+    assert max(img.size) <= 256
+    assert http.post("/interrupt").json() == {}
