@@ -5,8 +5,8 @@ infotext). Pure: the routes (sdfarm.gateway.routes_a1111) do the reading and the
 Image tools, bots and plugins speak this API (the `webuiapi` package among them). Its bodies
 carry dozens of fields with defaults; a field we do not know is ignored, a field at its
 default is ignored, and a field asking for something the farm cannot do (face restoration,
-seamless tiling, scripts, variation seeds, an ESRGAN hires upscaler) is refused by name, so a
-client is never given an image made differently from what it asked.
+seamless tiling, scripts, variation seeds, an upscaler the farm does not have) is refused by
+name, so a client is never given an image made differently from what it asked.
 """
 
 from __future__ import annotations
@@ -223,13 +223,8 @@ def job_fields(body: Mapping[str, Any], *, img2img: bool) -> dict[str, Any]:
 
 
 def _hires_fields(body: Mapping[str, Any], width: int, height: int) -> dict[str, Any]:
-    upscaler = body.get("hr_upscaler") or "Latent"
-    if upscaler not in LATENT_UPSCALERS:
-        raise InvalidParameterError(
-            "hr_upscaler",
-            f"{upscaler!r} is not available for the hires pass; it upscales in latent space "
-            f"({', '.join(LATENT_UPSCALERS)})",
-        )
+    upscaler = str(body.get("hr_upscaler") or "Latent")
+    model = {} if upscaler in LATENT_UPSCALERS else {"hires_upscaler": upscaler}
     scale = _number(body, "hr_scale", 2.0, float)
     rx, ry = _number(body, "hr_resize_x", 0), _number(body, "hr_resize_y", 0)
     if rx or ry:  # a target size wins over the scale, as in A1111
@@ -238,6 +233,7 @@ def _hires_fields(body: Mapping[str, Any], width: int, height: int) -> dict[str,
         "hires_scale": scale,
         "hires_steps": _number(body, "hr_second_pass_steps", 0),
         "hires_strength": _number(body, "denoising_strength", 0.7, float),
+        **model,  # a farm upscaler by name (GET /sdapi/v1/upscalers); the farm checks it
     }
 
 

@@ -13,7 +13,7 @@ A1111 serves one user's one checkpoint; here each token has its own default mode
 from __future__ import annotations
 
 import base64
-from typing import Any
+from typing import Any, NoReturn
 
 from fastapi import APIRouter, Depends, Request
 from starlette.concurrency import run_in_threadpool
@@ -63,6 +63,14 @@ def _model_for(request: Request, body: dict[str, Any]) -> str:
     return models[0]
 
 
+def _rename(exc: InvalidParameterError, names: dict[str, str]) -> NoReturn:
+    """Raise `exc` again naming the A1111 field its parameter came from."""
+    if exc.parameter not in names:
+        raise exc
+    why = str(exc).partition(": ")[2]
+    raise InvalidParameterError(names[exc.parameter], why) from None
+
+
 def _submit(request: Request, body: dict[str, Any], *, img2img: bool) -> tuple[Job, str]:
     """The job of a txt2img / img2img body, queued, and its model: decoding images and the
     submit's round trips, run in the threadpool."""
@@ -77,14 +85,17 @@ def _submit(request: Request, body: dict[str, Any], *, img2img: bool) -> tuple[J
             )
     model = _model_for(request, body)
     prompt = fields.pop("prompt")
-    job = farm.submit(
-        model,
-        prompt,
-        owner=caller(request).owner,
-        quota=job_quota(request),
-        submitter="a1111",
-        **fields,
-    )
+    try:
+        job = farm.submit(
+            model,
+            prompt,
+            owner=caller(request).owner,
+            quota=job_quota(request),
+            submitter="a1111",
+            **fields,
+        )
+    except InvalidParameterError as exc:  # name the A1111 field
+        _rename(exc, {"hires_upscaler": "hr_upscaler", "strength": "denoising_strength"})
     request.app.state.recent.add(job.id)
     return job, model
 
@@ -181,9 +192,7 @@ def _submit_upscale(request: Request, body: dict[str, Any]) -> Job:
             **fields,
         )
     except InvalidParameterError as exc:  # name the A1111 field
-        names = {"factor": "upscaling_resize", "upscaler": "upscaler_1"}
-        why = str(exc).partition(": ")[2]
-        raise InvalidParameterError(names.get(exc.parameter, exc.parameter), why) from None
+        _rename(exc, {"factor": "upscaling_resize", "upscaler": "upscaler_1"})
     request.app.state.recent.add(job.id)
     return job
 

@@ -160,6 +160,16 @@ def test_refused_by_name(http: httpx.Client, field: str, body: dict[str, Any]) -
     assert resp.json()["error"]["param"] == field
 
 
+def test_hires_with_a_farm_upscaler(http: httpx.Client) -> None:
+    body = {"prompt": "a tower", "seed": 2, "enable_hr": True, "hr_scale": 2,
+            "hr_upscaler": "tiny-esrgan-x2", "hr_second_pass_steps": 1,
+            "denoising_strength": 0.5, **SMALL}  # fmt: skip
+    resp = http.post("/txt2img", json=body)
+    assert resp.status_code == 200, resp.text
+    img = Image.open(io.BytesIO(base64.b64decode(resp.json()["images"][0])))
+    assert img.size == (128, 128)
+
+
 def test_unknown_fields_ignored_and_hires(http: httpx.Client) -> None:
     body = {"prompt": "a tower", "seed": 2, "enable_hr": True, "hr_scale": 1.5,
             "hr_second_pass_steps": 1, "denoising_strength": 0.5, "eta": 0.3,

@@ -83,8 +83,7 @@ def test_img2img_body_to_job() -> None:
     ("field", "body"),
     [("restore_faces", {"restore_faces": True}), ("styles", {"styles": ["x"]}),
      ("subseed_strength", {"subseed_strength": 0.2}),
-     ("hr_prompt", {"enable_hr": True, "hr_prompt": "other"}),
-     ("hr_upscaler", {"enable_hr": True, "hr_upscaler": "ESRGAN_4x"})],
+     ("hr_prompt", {"enable_hr": True, "hr_prompt": "other"})],
 )  # fmt: skip
 def test_what_cannot_be_done_is_refused(field: str, body: dict) -> None:
     with pytest.raises(InvalidParameterError) as e:
@@ -108,3 +107,10 @@ def test_answer_info_is_a_json_string() -> None:
     assert info["infotexts"][1].startswith("p\nNegative prompt: n\nSteps: 2, Sampler: Euler a")
     assert "Seed: 8" in info["infotexts"][1]
     assert "init_images" not in doc["parameters"]
+
+
+def test_a_named_hires_upscaler_becomes_the_jobs_model_upscaler() -> None:
+    body = {"prompt": "x", "enable_hr": True, "hr_upscaler": "tiny-esrgan-x2", "hr_scale": 2}
+    assert a1111.job_fields(body, img2img=False)["hires_upscaler"] == "tiny-esrgan-x2"
+    latent = {**body, "hr_upscaler": "Latent (bicubic)"}
+    assert "hires_upscaler" not in a1111.job_fields(latent, img2img=False)
