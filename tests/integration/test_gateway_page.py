@@ -32,7 +32,7 @@ def local_farm(models_dir: Path) -> Iterator[Any]:
 
 @pytest.fixture(scope="module")
 def gateway(local_farm: Any) -> Iterator[str]:
-    with served_gateway(local_farm.url, [TOKEN], 60.0) as url:
+    with served_gateway(local_farm.url, [TOKEN], 60.0, rate_per_minute=6000) as url:
         yield url
 
 
@@ -83,7 +83,15 @@ def test_a_browser_signs_in_with_a_session_cookie(gateway: str) -> None:
 def test_status_json_has_devices_with_memory(gateway: str) -> None:
     ids = _submit(gateway, 2, tag="status")
     _wait_done(gateway, ids)
-    doc = httpx.get(f"{gateway}/v1/status", headers=AUTH).json()
+    # The worker's heartbeat lists the loaded engine on its next beat (once a second): read
+    # the status until it does, for at most a few beats.
+    deadline = time.monotonic() + 5
+    while True:
+        doc = httpx.get(f"{gateway}/v1/status", headers=AUTH).json()
+        loaded = [m["name"] for d in doc["devices"] for m in d.get("loaded") or []]
+        if loaded or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
     assert doc["hosts"] == [{"host": "pagehost", "devices": ["pagehost/CPU"]}]
     (dev,) = doc["devices"]
     assert dev["alive"] and dev["key"] == "pagehost/CPU"
