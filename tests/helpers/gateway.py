@@ -19,10 +19,14 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def cpu_farm(models_dir: Path, host: str) -> Iterator[Any]:
-    """A LocalFarm with one CPU worker (one thread, 4 GiB) named `host`."""
+def cpu_farm(models_dir: Path, host: str, *, test_hooks: bool = False) -> Iterator[Any]:
+    """A LocalFarm with one CPU worker (one thread, 4 GiB) named `host`; `test_hooks`: its
+    worker honours the jobs' test hooks (sdfarm.worker.hooks)."""
     from sdfarm.localfarm.farm import LocalFarm
 
+    env = dict(os.environ)
+    if test_hooks:
+        env["SDFARM_TEST_HOOKS"] = "1"
     farm = LocalFarm(
         [models_dir],
         devices=["CPU"],
@@ -30,7 +34,7 @@ def cpu_farm(models_dir: Path, host: str) -> Iterator[Any]:
         host=host,
         announce=False,
         worker_args=["--memory-limit", "4GiB"],
-        env=dict(os.environ),
+        env=env,
     )
     with farm:
         yield farm

@@ -4,7 +4,6 @@ shared by the module; tests that need a farm without a scheduler use `redis_url`
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,6 +20,8 @@ from sdfarm.client.farm import (
 from sdfarm.native.errors import InvalidParameterError
 from sdfarm.store import JobSpec
 
+from helpers.gateway import cpu_farm
+
 F16 = "tiny-f16"
 SMALL = {"width": 64, "height": 64, "steps": 1}
 TIMEOUT = 60.0
@@ -28,18 +29,7 @@ TIMEOUT = 60.0
 
 @pytest.fixture(scope="module")
 def local_farm(models_dir: Path) -> Iterator[Any]:
-    from sdfarm.localfarm.farm import LocalFarm
-
-    farm = LocalFarm(
-        [models_dir],
-        devices=["CPU"],
-        threads=1,
-        host="clienthost",
-        announce=False,
-        worker_args=["--memory-limit", "4GiB"],
-        env={**os.environ, "SDFARM_TEST_HOOKS": "1"},
-    )
-    with farm:
+    with cpu_farm(models_dir, "clienthost", test_hooks=True) as farm:
         yield farm
 
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
-import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,7 +20,7 @@ import pytest
 from sdfarm.client.farm import Farm, JobCancelled
 from sdfarm.store import JobSpec
 
-from helpers.gateway import served_gateway
+from helpers.gateway import cpu_farm, served_gateway
 
 MODEL = "tiny-q8_0"
 TOKEN = "waiters-test-token"
@@ -33,18 +32,7 @@ LIVE = ("queued", "placed", "running")
 
 @pytest.fixture(scope="module")
 def local_farm(models_dir: Path) -> Iterator[Any]:
-    from sdfarm.localfarm.farm import LocalFarm
-
-    farm = LocalFarm(
-        [models_dir],
-        devices=["CPU"],
-        threads=1,
-        host="waitershost",
-        announce=False,
-        worker_args=["--memory-limit", "4GiB"],
-        env={**os.environ, "SDFARM_TEST_HOOKS": "1"},
-    )
-    with farm:
+    with cpu_farm(models_dir, "waitershost", test_hooks=True) as farm:
         yield farm
 
 
