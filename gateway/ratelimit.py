@@ -30,6 +30,7 @@ from limits.aio.storage import MemoryStorage, RedisStorage, Storage
 from limits.aio.strategies import SlidingWindowCounterRateLimiter
 
 from sdfarm.store import keys
+from sdfarm.store.connect import async_pool, is_sentinel
 
 log = logging.getLogger(__name__)
 
@@ -92,13 +93,9 @@ class RateLimiter:
     def _storage(self) -> Storage:
         if self.uri == MEMORY:
             return MemoryStorage()
-        import redis.asyncio as aioredis
-
-        pool = aioredis.BlockingConnectionPool.from_url(
-            self.uri, max_connections=MAX_CONNECTIONS, timeout=POOL_WAIT_S, **REDIS_OPTIONS
-        )
+        pool = async_pool(self.uri, MAX_CONNECTIONS, POOL_WAIT_S, **REDIS_OPTIONS)
         return RedisStorage(
-            self.uri,
+            "redis://" if is_sentinel(self.uri) else self.uri,  # the pool says where
             implementation="redispy",
             key_prefix=self.key_prefix,
             connection_pool=pool,

@@ -22,6 +22,7 @@ from typing import Any
 import redis.asyncio as aioredis
 
 from sdfarm.store import keys
+from sdfarm.store.connect import async_pool
 from sdfarm.store.keys import LEADER_KEY
 from sdfarm.store.notices import Notice, Notices
 from sdfarm.store.records import JobResult, decode, loads
@@ -75,9 +76,7 @@ class AsyncStore:
         pool_wait_s: float = POOL_WAIT_S,
         **options: Any,
     ) -> AsyncStore:
-        pool = aioredis.BlockingConnectionPool.from_url(
-            url, max_connections=max_connections, timeout=pool_wait_s, **options
-        )
+        pool = async_pool(url, max_connections, pool_wait_s, **options)
         return cls(aioredis.Redis(connection_pool=pool))
 
     async def close(self) -> None:

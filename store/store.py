@@ -148,9 +148,10 @@ class Store:
 
     @classmethod
     def connect(cls, url: str, **options: Any) -> Store:
-        import redis
+        """A Store of `url` (`redis://` or `redis+sentinel://`, see store/connect.py)."""
+        from sdfarm.store.connect import sync_client
 
-        return cls(redis.Redis.from_url(url, **options))
+        return cls(sync_client(url, **options))
 
     def close(self) -> None:
         self.r.close()

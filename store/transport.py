@@ -56,7 +56,10 @@ def make_app(redis_url: str, task: Callable[..., Any] | None = None) -> Any:
     """A Celery app on `redis_url`; with `task` (the worker's), registered as TASK_NAME."""
     from celery import Celery
 
-    app = Celery("sdfarm", broker=redis_url, set_as_current=False)
+    from sdfarm.store.connect import celery_broker
+
+    broker, sentinel_options = celery_broker(redis_url)
+    app = Celery("sdfarm", broker=broker, set_as_current=False)
     app.conf.update(
         broker_connection_retry_on_startup=True,
         result_backend=None,
@@ -74,7 +77,7 @@ def make_app(redis_url: str, task: Callable[..., Any] | None = None) -> Any:
         worker_send_task_events=False,
         task_send_sent_event=False,
         worker_enable_remote_control=True,
-        broker_transport_options={"visibility_timeout": VISIBILITY_TIMEOUT_S},
+        broker_transport_options={"visibility_timeout": VISIBILITY_TIMEOUT_S, **sentinel_options},
     )
     if task is not None:
         app.task(name=TASK_NAME, ignore_result=True, acks_late=True)(task)
