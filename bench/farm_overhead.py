@@ -22,17 +22,11 @@ import tempfile
 import time
 from pathlib import Path
 
+from tinymodel import tiny_model
+
 from sdfarm.native.engine import Engine
 from sdfarm.native.params import GenerationParams
 from sdfarm.native.png import png_bytes
-
-
-def tiny_model(folder: Path) -> Path:
-    """The tiny test model, written by a child process: numpy stays out of this one (on the
-    H200 host, its numpy imported before a runtime load crashed new_sd_ctx: docs/gpu.md)."""
-    cmd = [sys.executable, "-m", "sdfarm.cli.main", "make-test-model", str(folder), "--json"]
-    done = subprocess.run(cmd, capture_output=True, text=True, check=True)
-    return Path(json.loads(done.stdout)["models"][0])
 
 
 def pct(values: list[float], p: float) -> float:

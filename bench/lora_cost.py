@@ -22,6 +22,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from tinymodel import tiny_model
+
 SEQUENCE = ("plain", "lora", "lora again", "other set", "lora after other", "plain again")
 
 
@@ -75,11 +77,7 @@ def main() -> int:
         print(json.dumps(child(args.child, args.size, args.steps, args.repeat)))
         return 0
     with tempfile.TemporaryDirectory() as tmp:
-        model = args.model
-        if model is None:
-            cmd = [sys.executable, "-m", "sdfarm.cli.main", "make-test-model", tmp, "--json"]
-            done = subprocess.run(cmd, capture_output=True, text=True, check=True)
-            model = json.loads(done.stdout)["models"][0]
+        model = args.model or str(tiny_model(tmp))
         runs = {}
         for mode in ("immediately", "at_runtime"):
             cmd = [sys.executable, __file__, "--child", model, "--size", str(args.size),

@@ -13,11 +13,12 @@ import argparse
 import json
 import resource
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from tinymodel import tiny_model
 
 SETTINGS = [("off", "tae", 0), ("tae", "tae", 1), ("tae/2", "tae", 2), ("proj", "proj", 1)]
 
@@ -43,11 +44,7 @@ def main() -> int:
     frames: dict[str, int] = {}
     images: dict[str, bytes] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        model = args.model
-        if model is None:
-            cmd = [sys.executable, "-m", "sdfarm.cli.main", "make-test-model", tmp, "--json"]
-            done = subprocess.run(cmd, capture_output=True, text=True, check=True)
-            model = json.loads(done.stdout)["models"][0]
+        model = args.model or str(tiny_model(tmp))
         with Engine.load(model, threads=args.threads) as engine:
             base = {"prompt": "a preview benchmark", "width": args.size, "height": args.size,
                     "steps": args.steps, "seed": 5}  # fmt: skip

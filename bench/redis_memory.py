@@ -11,18 +11,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-
-def tiny_model(folder: Path) -> Path:
-    """The tiny test model, written by a child process (numpy stays out of this one)."""
-    cmd = [sys.executable, "-m", "sdfarm.cli.main", "make-test-model", str(folder), "--json"]
-    done = subprocess.run(cmd, capture_output=True, text=True, check=True)
-    return Path(json.loads(done.stdout)["models"][0])
+from tinymodel import tiny_model
 
 
 def reading(store, done: int, t0: float) -> dict:

@@ -11,11 +11,12 @@ import argparse
 import json
 import math
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from tinymodel import tiny_model
 
 
 def psnr(a: bytes, b: bytes) -> float:
@@ -37,11 +38,7 @@ def main() -> int:
     from sdfarm.native.params import STEP_CACHES, GenerationParams
 
     with tempfile.TemporaryDirectory() as tmp:
-        model = args.model
-        if model is None:
-            cmd = [sys.executable, "-m", "sdfarm.cli.main", "make-test-model", tmp, "--json"]
-            done = subprocess.run(cmd, capture_output=True, text=True, check=True)
-            model = json.loads(done.stdout)["models"][0]
+        model = args.model or str(tiny_model(tmp))
         rows = {}
         with Engine.load(model) as engine:
             base = {"prompt": "a step cache benchmark", "width": args.size,
