@@ -4,7 +4,6 @@ never strips the done token's TTL; the snapshot reads what placement needs in on
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import replace
 
 import pytest
@@ -12,17 +11,9 @@ import pytest
 from sdfarm.store import NOT_LEADER, JobSpec, QuotaExceededError, Store, keys, transport
 from sdfarm.store.records import new_dispatch_id
 
-TOKEN = "leader-token"
+from helpers.leader import HELD, TOKEN
+
 SPEC = JobSpec(model="m", params={"prompt": "a cat", "width": 64, "height": 64})
-HELD = (transport.queue_name("nowhere/none"), "{}")
-
-
-@pytest.fixture
-def store(redis_url: str) -> Iterator[Store]:
-    s = Store.connect(redis_url)
-    assert s.take_lease(TOKEN, 60_000)
-    yield s
-    s.close()
 
 
 def submit(store: Store, spec: JobSpec = SPEC) -> str:

@@ -4,25 +4,15 @@ that finds the job moved on counts nothing; a new model past the series cap is `
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 
-from sdfarm.store import JobSpec, Store, keys, transport
+from sdfarm.store import JobSpec, Store, keys
 from sdfarm.store.metrics import OTHER_MODEL, read_farm_metrics
 from sdfarm.store.records import new_dispatch_id
 
-TOKEN = "leader-token"
-HELD = (transport.queue_name("nowhere/none"), "{}")
+from helpers.leader import HELD, TOKEN
+
 DEV = "h/CPU"
-
-
-@pytest.fixture
-def store(redis_url: str) -> Iterator[Store]:
-    s = Store.connect(redis_url)
-    assert s.take_lease(TOKEN, 60_000)
-    yield s
-    s.close()
 
 
 def submit(store: Store, model: str = "m") -> str:

@@ -14,7 +14,6 @@ import shutil
 import ssl
 import subprocess
 import threading
-from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -25,7 +24,8 @@ from sdfarm.client.webhooks import verify
 from sdfarm.scheduler.webhooks import Deliverer
 from sdfarm.store import JobSpec, Store
 
-TOKEN = "leader-token"
+from helpers.leader import TOKEN
+
 SECRET = "whsec-delivery"
 LOOPBACK = (ipaddress.ip_network("127.0.0.1/32"),)
 
@@ -61,14 +61,6 @@ class Receiver:
     def close(self) -> None:
         self.server.shutdown()
         self.server.server_close()
-
-
-@pytest.fixture
-def store(redis_url: str) -> Iterator[Store]:
-    s = Store.connect(redis_url)
-    assert s.take_lease(TOKEN, 60_000)
-    yield s
-    s.close()
 
 
 def ended_job(store: Store, webhook: str) -> str:

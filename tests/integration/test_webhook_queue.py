@@ -7,26 +7,15 @@ fails it with a job event; a webhook whose job expired is dropped."""
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from dataclasses import replace
 
-import pytest
-
-from sdfarm.store import JobSpec, Store, keys, transport
+from sdfarm.store import JobSpec, Store, keys
 from sdfarm.store.records import new_dispatch_id
 
-TOKEN = "leader-token"
+from helpers.leader import HELD, TOKEN
+
 HOOK = "https://hooks.example.com/sdfarm"
 SPEC = JobSpec(model="m", params={"prompt": "a cat"}, webhook=HOOK)
-HELD = (transport.queue_name("nowhere/none"), "{}")
-
-
-@pytest.fixture
-def store(redis_url: str) -> Iterator[Store]:
-    s = Store.connect(redis_url)
-    assert s.take_lease(TOKEN, 60_000)
-    yield s
-    s.close()
 
 
 def submit(store: Store, spec: JobSpec = SPEC) -> str:
