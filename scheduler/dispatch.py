@@ -66,7 +66,11 @@ class DispatchConfig:
     (a new process's first heartbeat can trail its first claim by one interval), and how long
     a device must look idle before a job placed on it counts as lost.
     `lost_message_grace`: how long after its placement a job's message may still be on its
-    way to the worker."""
+    way to the worker. `blind_after`: a pause between two cycles longer than this means the
+    scheduler could not watch the farm (its Redis away, a failover, the process stopped);
+    `blind_grace`: after such a pause, and after becoming leader, how long it watches before
+    a missing heartbeat counts as a lost worker (a heartbeat TTL and an interval: every live
+    worker has beaten again by then)."""
 
     backlog: int = DEFAULT_BACKLOG
     queue_limit: int = DEFAULT_QUEUE_LIMIT
@@ -77,6 +81,8 @@ class DispatchConfig:
     wake_timeout: float = 0.2
     forget_dead_after: float = 3600.0
     lost_message_grace: float = 10.0
+    blind_after: float = 2 * keys.HEARTBEAT_INTERVAL
+    blind_grace: float = keys.HEARTBEAT_TTL + keys.HEARTBEAT_INTERVAL
 
     def __post_init__(self) -> None:
         if self.backlog < 1:
@@ -172,6 +178,8 @@ class Dispatcher:
         self._idle_since: dict[str, float] = {}
         self._missing_since: dict[str, float] = {}
         self._dead_since: dict[str, float] = {}
+        self._last_cycle: float | None = None
+        self._watching_since: float | None = None
 
     # -- the loop ---------------------------------------------------------------------------
 
@@ -181,6 +189,7 @@ class Dispatcher:
         self._incarnations.clear()
         self._mismatch_since.clear()
         self._missing_since.clear()
+        self._last_cycle = None
 
     def wait_for_work(self) -> None:
         """Block until something nudges `wake` (a submit, a finished job) or the timeout, so
@@ -189,12 +198,32 @@ class Dispatcher:
 
     def cycle(self) -> dict[str, int]:
         """Recover, then place. Returns counts for logs and tests."""
+        self._watch(self.monotonic())
         snap = self.registry.snapshot(heads=self.config.scan, clear_wake=True)
         stats = self.recover(snap)
         if any(stats.values()):
             snap = self.registry.snapshot(heads=self.config.scan)
         stats.update(self.place(snap))
         return stats
+
+    def _watch(self, now: float) -> None:
+        """Note this cycle's start; a first cycle, or one after a pause longer than
+        `blind_after`, starts a new watch."""
+        if self._last_cycle is None or now - self._last_cycle > self.config.blind_after:
+            if self._last_cycle is not None:
+                self.log("blind", seconds=round(now - self._last_cycle, 3))
+            self._watching_since = now
+        self._last_cycle = now
+
+    def _watched_enough(self, now: float) -> bool:
+        """Whether this scheduler has watched the farm without a pause for a heartbeat TTL
+        and an interval. A worker's heartbeat lives `HEARTBEAT_TTL`; while Redis is away (a
+        failover longer than the TTL) the workers cannot beat either, so the heartbeats
+        expire with every worker alive. Seen right after the outage, a missing heartbeat says
+        nothing; taking it for a lost worker would run its job a second time. One TTL of
+        watching later, every live worker has beaten again and a missing one is dead."""
+        since = self._watching_since
+        return since is not None and now - since >= self.config.blind_grace
 
     def _check(self, rc: int) -> int:
         if rc == NOT_LEADER:
@@ -234,6 +263,9 @@ class Dispatcher:
                     continue
                 reason = None
                 if hb is None:
+                    if not self._watched_enough(now):
+                        alive_jobs.add(job_id)  # its worker may be alive: look again later
+                        continue
                     reason = "heartbeat expired"
                 elif state == "placed" and changed:
                     reason = "worker restarted"

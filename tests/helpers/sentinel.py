@@ -17,7 +17,8 @@ SERVICE = "sdfarm"
 
 class SentinelGroup:
     """`SentinelGroup.start(dir)`: master + replica + `n` sentinels watching SERVICE with a
-    quorum of 1 and a 1 s down-after, so a killed master is replaced within a few seconds."""
+    quorum of 1 and a `down_after_ms` down-after (1 s: a killed master is replaced within a few
+    seconds; longer than the workers' heartbeat TTL: every heartbeat expires meanwhile)."""
 
     def __init__(self, master: RedisServer, replica: RedisServer, sentinels: list[tuple]) -> None:
         self.master = master
@@ -30,14 +31,16 @@ class SentinelGroup:
         return f"redis+sentinel://{hosts}/{SERVICE}/0"
 
     @classmethod
-    def start(cls, workdir: Path, n: int = 2) -> SentinelGroup:
+    def start(cls, workdir: Path, n: int = 2, down_after_ms: int = 1000) -> SentinelGroup:
         master = RedisServer.start(appendonly=True, dir=workdir / "master")
         replica = RedisServer.start(appendonly=True, dir=workdir / "replica")
         replica.client().replicaof("127.0.0.1", master.port)
         group = cls(master, replica, [])
         try:
             for i in range(n):
-                group.sentinels.append(_start_sentinel(workdir / f"sentinel{i}", master.port))
+                group.sentinels.append(
+                    _start_sentinel(workdir / f"sentinel{i}", master.port, down_after_ms)
+                )
             group.wait(lambda: _linked(replica), "the replica to sync")
             group.wait(lambda: group.master_port() == master.port, "the sentinels to agree")
         except BaseException:
@@ -86,7 +89,9 @@ def _linked(replica: RedisServer) -> bool:
     return info.get("master_link_status") == "up"
 
 
-def _start_sentinel(workdir: Path, master_port: int) -> tuple[subprocess.Popen[bytes], int]:
+def _start_sentinel(
+    workdir: Path, master_port: int, down_after_ms: int
+) -> tuple[subprocess.Popen[bytes], int]:
     workdir.mkdir(parents=True, exist_ok=True)
     port = free_port()
     conf = workdir / "sentinel.conf"  # sentinels rewrite their config: it must be writable
@@ -94,8 +99,8 @@ def _start_sentinel(workdir: Path, master_port: int) -> tuple[subprocess.Popen[b
         f'port {port}\nbind 127.0.0.1\ndaemonize no\ndir "{workdir}"\n'
         'logfile "sentinel.log"\n'
         f"sentinel monitor {SERVICE} 127.0.0.1 {master_port} 1\n"
-        f"sentinel down-after-milliseconds {SERVICE} 1000\n"
-        f"sentinel failover-timeout {SERVICE} 3000\n"
+        f"sentinel down-after-milliseconds {SERVICE} {down_after_ms}\n"
+        f"sentinel failover-timeout {SERVICE} {3 * down_after_ms}\n"
         f"sentinel parallel-syncs {SERVICE} 1\n"
     )
     proc = subprocess.Popen(

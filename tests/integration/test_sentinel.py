@@ -13,6 +13,7 @@ import pytest
 
 from sdfarm.client.farm import Farm
 from sdfarm.localfarm.redis_server import RedisServerError, find_binary
+from sdfarm.store import keys
 
 from helpers.sentinel import SentinelGroup
 
@@ -21,19 +22,26 @@ SMALL = {"width": 64, "height": 64, "steps": 1}
 JOBS = 12
 
 
+LONG_MS = int((keys.HEARTBEAT_TTL + 2 * keys.HEARTBEAT_INTERVAL) * 1000)
+"""A down-after longer than the heartbeat TTL: the failover outlasts every heartbeat."""
+
+
 @pytest.fixture
-def group(tmp_path: Path):
+def group(request: pytest.FixtureRequest, tmp_path: Path):
     try:
         find_binary()
     except RedisServerError as exc:  # the one place a sentinel cannot exist
         pytest.skip(f"no redis-server binary (it runs the sentinels too): {exc}")
-    g = SentinelGroup.start(tmp_path)
+    g = SentinelGroup.start(tmp_path, down_after_ms=getattr(request, "param", 1000))
     try:
         yield g
     finally:
         g.stop()
 
 
+@pytest.mark.parametrize(
+    "group", [1000, LONG_MS], ids=["short", "longer-than-heartbeat-ttl"], indirect=True
+)
 def test_jobs_in_flight_finish_once_across_a_failover(group: SentinelGroup, models_dir) -> None:
     from sdfarm.localfarm.farm import LocalFarm
 
@@ -56,7 +64,7 @@ def test_jobs_in_flight_finish_once_across_a_failover(group: SentinelGroup, mode
         group.master.proc.kill()
         group.master.proc.wait()
         killed_at = time.monotonic()
-        group.wait(lambda: group.master_port() == group.replica.port, "the promotion", 30)
+        group.wait(lambda: group.master_port() == group.replica.port, "the promotion", 60)
         promoted_s = time.monotonic() - killed_at
         results = [job.result(90) for job in jobs]
         assert all(r.png.startswith(b"\x89PNG") for r in results)
