@@ -15,6 +15,8 @@
 #   bash bench/gpu_run.sh tiling    # VAE tiling table; 4096x4096 under a figure refusing it untiled
 #   bash bench/gpu_run.sh peer      # engines per GPU; the diffusers peer, eager and compiled
 #   bash bench/gpu_run.sh tilingpeer # both in one call
+#   bash bench/gpu_run.sh decodefarm # CUDA size limit (#12), VAE decode options and 500-job
+#                                    # GPU efficiency (#15), 5,000-job file-store batch (#14)
 #
 # Carried: .whl/*.whl (our dependencies and pytest for python3.12), .carry/{redis-server,
 # stable_diffusion_cpp_python-0.4.7.tar.gz}; for the Vulkan stages also .gl/*.deb (Vulkan
@@ -35,13 +37,13 @@ PHASE=${1:-}
 OUT=${OUT:-/tmp/gpu-out}
 PHASE_BUDGET=${PHASE_BUDGET:-540}   # seconds; each command is killed at 600
 T0=$(date +%s)
-PY=python3
-MODELS=/tmp/models
+PY=${PY:-python3}
+MODELS=${MODELS:-/tmp/models}
 MODEL=$MODELS/sd-turbo-random
 TAESD=$MODELS/sd-turbo-random-taesd
 VKRT=/tmp/vkrt
 CUDART=/tmp/cudart
-CUDA_JSON=/tmp/cuda-build.json
+CUDA_JSON=${CUDA_JSON:-/tmp/cuda-build.json}
 CUDA_TAR=.carry/cuda-runtime.tar.xz
 FARM_LOGS=/tmp/gpu-farm-logs
 MPID=""
@@ -55,12 +57,14 @@ prep() {
         ldconfig && touch /tmp/.sdfarm-gl
     fi
     export VK_DRIVER_FILES=/usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json
-    if [ ! -e /tmp/site/.sdfarm-done ]; then
+    if [ "${DRY:-0}" != 1 ] && [ ! -e /tmp/site/.sdfarm-done ]; then
         $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
             --target /tmp/site .whl/*.whl && touch /tmp/site/.sdfarm-done
     fi
     mkdir -p /tmp/pkg/sdfarm
-    for d in native worker scheduler; do ln -sfn "$REPO/$d" "/tmp/pkg/sdfarm/$d"; done
+    for d in native worker scheduler store client cli localfarm; do
+        ln -sfn "$REPO/$d" "/tmp/pkg/sdfarm/$d"
+    done
     export PYTHONPATH=/tmp/site:/tmp/pkg
     chmod +x .carry/redis-server 2>/dev/null
     export PATH="$REPO/.carry:$PATH"
@@ -103,15 +107,23 @@ models_wait() {
 
 pack_cuda() {
     local dir; dir=$(cuda_field directory)
-    tar -C "$dir" -cf - libstable-diffusion.so sd-cli include build.json | xz -T0 -6 \
+    tar -C "$dir" -cf - libstable-diffusion.so sd-cli include build.json | ${PACK_NICE:-} xz -T0 -6 \
         > /tmp/cuda-runtime.tar.xz
     local size; size=$(stat -c %s /tmp/cuda-runtime.tar.xz)
     if [ "$size" -le $(( 16 * 1024 * 1024 - 65536 )) ]; then
         cp /tmp/cuda-runtime.tar.xz "$OUT/"
     else
-        split -b 15M -d /tmp/cuda-runtime.tar.xz "$OUT/cuda-runtime.tar.xz.part-"
+        # pieces just under the 16 MiB a returned file may have (47 MB: 3 pieces)
+        split -b 16000K -d /tmp/cuda-runtime.tar.xz "$OUT/cuda-runtime.tar.xz.part-"
     fi
-    say "packed the CUDA runtime ($size bytes): carry $(cd "$OUT" && ls cuda-runtime.tar.xz*) in .carry/ next time"
+    say "packed the CUDA runtime ($size bytes): carry $(cd "$OUT" && echo cuda-runtime.tar.xz*) in .carry/ next time"
+}
+
+# With PACK_LATER=1 a fresh build is packed in the background (nice) while the first,
+# timing-insensitive stage runs; pack_wait waits for it.
+PACK_PID=""
+pack_wait() {
+    if [ -n "$PACK_PID" ]; then wait "$PACK_PID"; PACK_PID=""; fi
 }
 
 cuda_ensure() {
@@ -138,7 +150,12 @@ print(json.dumps({'directory': '$CUDART', 'library': '$CUDART/libstable-diffusio
         --cmake-arg=-DCMAKE_CUDA_ARCHITECTURES=90 --json > "$CUDA_JSON.part"; then
         mv "$CUDA_JSON.part" "$CUDA_JSON"
         say "built: $(cat "$CUDA_JSON")"
-        pack_cuda
+        if [ "${PACK_LATER:-0}" = 1 ]; then
+            PACK_NICE="nice -n 19" pack_cuda &
+            PACK_PID=$!
+        else
+            pack_cuda
+        fi
     else
         say "CUDA build FAILED"
         for f in "$SDFARM_CACHE"/runtime/*/build.log; do
@@ -164,7 +181,7 @@ ensure() {
 # on_cuda SECONDS ARGS...: python ARGS on the CUDA runtime `ensure` found, killed after SECONDS.
 on_cuda() {
     local limit=$1; shift
-    SDFARM_BACKEND=cuda SDFARM_RUNTIME_DIR="$CUDA_DIR" timeout "$limit" $PY "$@"
+    SDFARM_BACKEND=${DRY_BACKEND:-cuda} SDFARM_RUNTIME_DIR="$CUDA_DIR" timeout "$limit" $PY "$@"
 }
 
 # suite BUDGET STAGE ARGS...: one suite command with --deadline min(BUDGET, what is left of
@@ -337,15 +354,62 @@ tilingpeer() {
     peer
 }
 
+# stage BUDGET NAME SCRIPT ARGS...: one bench script on the CUDA runtime with --deadline
+# min(BUDGET, what is left of the phase - 15 s), killed 10 s after that; skipped (and said)
+# when less than 30 s are left. Whatever it wrote before a kill stays in $OUT.
+stage() {
+    local budget=$1 name=$2; shift 2
+    local left=$(( PHASE_BUDGET - $(now) ))
+    if [ "$left" -lt 30 ]; then say "SKIPPED (phase budget spent): $name"; return; fi
+    local dl=$(( budget < left - 15 ? budget : left - 15 ))
+    say "== $name: $* --deadline $dl"
+    on_cuda $(( dl + 10 )) "$@" --deadline "$dl"
+    say "== $name exited $?"
+}
+
+# Issues #12, #14, #15 in one call: where the SD-2 UNet aborts on CUDA (sd-cli children,
+# VAE tiling on), the VAE decode options (bench/decode_options.py), GPU efficiency of one
+# worker on a 500-job batch (bench/farm_efficiency.py), then the 5,000-job batch with the
+# file result store and the tiny model, Redis memory and RSS sampled (bench/batch_file_store.py)
+# for whatever time is left. A fresh CUDA build is packed while the first stage runs.
+# DRY=1 (with DRY_BACKEND=cpu and a CPU build in $CUDA_JSON) runs it small on a CPU.
+decodefarm() {
+    PACK_LATER=1 ensure
+    mkdir -p "$OUT/cuda"
+    local dev=CUDA0 lim=1024,1280,1536,1792,2048 nofa=2048 dsz=512,1024 ej=500 bj=5000 sz=512
+    if [ "${DRY:-0}" = 1 ]; then dev=CPU lim=64,128 nofa=128 dsz=64 ej=4 bj=400 sz=64; fi
+    stage 55 size-limit bench/cuda_size_limit.py --cli "$CLI" --model "$MODEL" \
+        --sizes "$lim" --no-fa-sizes "$nofa" --case-timeout 40 \
+        --out "$OUT/cuda/cuda-size-limit.json"
+    pack_wait
+    stage 85 decode bench/decode_options.py --cli "$CLI" --model "$MODEL" \
+        --taesd-model "$TAESD" --sizes "$dsz" --batch 4 --case-timeout 40 \
+        --out "$OUT/cuda/cuda-decode.json"
+    stage 95 efficiency bench/farm_efficiency.py --model "$MODEL" --device "$dev" --jobs "$ej" \
+        --size "$sz" --log-dir "$FARM_LOGS/eff" --out "$OUT/cuda/cuda-efficiency-500.json"
+    for f in "$FARM_LOGS"/eff/*.log; do [ -e "$f" ] && { echo "== $f (tail)"; tail -8 "$f"; }; done
+    stage 400 batch-file bench/batch_file_store.py --device "$dev" --jobs "$bj" --size "$sz" \
+        --log-dir "$FARM_LOGS/batch" --out "$OUT/cuda/cuda-batch-5000-file.json"
+    for f in "$FARM_LOGS"/batch/*.log; do [ -e "$f" ] && { echo "== $f (tail)"; tail -8 "$f"; }; done
+    nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader || true
+}
+
 case "$PHASE" in
     setup | bench1 | bench2) ;;
     cuda_recheck | cudafarm | overhead | speedbatch | gputests | cpu1024 | twogpu) ;;
-    features | tiling | peer | tilingpeer) ;;
-    *) echo "usage: bash bench/gpu_run.sh setup|bench1|bench2|cuda_recheck|cudafarm|overhead|speedbatch|gputests|cpu1024|twogpu|features|tiling|peer|tilingpeer" >&2; exit 2 ;;
+    features | tiling | peer | tilingpeer | decodefarm) ;;
+    *) echo "usage: bash bench/gpu_run.sh setup|bench1|bench2|cuda_recheck|cudafarm|overhead|speedbatch|gputests|cpu1024|twogpu|features|tiling|peer|tilingpeer|decodefarm" >&2; exit 2 ;;
 esac
 set -o pipefail
 mkdir -p "$OUT"
 "$PHASE" 2>&1 | tee "$OUT/log-$PHASE.txt"
 rc=$?
+# At most 8 files come back: past that, the JSON of $OUT/*/ travel as one tar.
+if [ "$(find "$OUT" -type f | wc -l)" -gt 8 ]; then
+    for d in "$OUT"/*/; do
+        [ -d "$d" ] && tar -C "$OUT" -czf "$OUT/$(basename "$d")-results.tar.gz" "$(basename "$d")" &&
+            rm -rf "$d"
+    done
+fi
 echo "[$(now)s] phase $PHASE done (exit $rc); results under $OUT"
 exit $rc
