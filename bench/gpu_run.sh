@@ -382,10 +382,10 @@ decodefarm() {
         --sizes "$lim" --no-fa-sizes "$nofa" --case-timeout 40 \
         --out "$OUT/cuda/cuda-size-limit.json"
     pack_wait
-    stage 85 decode bench/decode_options.py --cli "$CLI" --model "$MODEL" \
+    stage 95 decode bench/decode_options.py --cli "$CLI" --model "$MODEL" \
         --taesd-model "$TAESD" --sizes "$dsz" --batch 4 --case-timeout 40 \
         --out "$OUT/cuda/cuda-decode.json"
-    stage 95 efficiency bench/farm_efficiency.py --model "$MODEL" --device "$dev" --jobs "$ej" \
+    stage 90 efficiency bench/farm_efficiency.py --model "$MODEL" --device "$dev" --jobs "$ej" \
         --size "$sz" --log-dir "$FARM_LOGS/eff" --out "$OUT/cuda/cuda-efficiency-500.json"
     for f in "$FARM_LOGS"/eff/*.log; do [ -e "$f" ] && { echo "== $f (tail)"; tail -8 "$f"; }; done
     stage 400 batch-file bench/batch_file_store.py --device "$dev" --jobs "$bj" --size "$sz" \
