@@ -128,8 +128,8 @@ class DeviceIndex:
         """Whether device `key`, which holds the job's model, offers the ``loaded`` tier: the
         job's size fits next to the engine (placement._tier_for_held)."""
         d = self.devices[key]
-        held = next(m for m in d.loaded if m.name == job.model)
-        return job.estimate <= held.estimate + d.compute_figure
+        held = placement.held_engine(d, job.model)  # with N slots: an idle one, or none
+        return held is not None and job.estimate <= held.estimate + d.compute_figure
 
     def _best_loaded(self, job: JobRequest) -> str | None:
         """The best device with room offering the ``loaded`` tier: least queued, then most
