@@ -118,26 +118,30 @@ def test_killing_one_slot_costs_only_its_job(farm2: Farm) -> None:
 
 
 def test_one_slot_runs_one_job_at_a_time(models_dir: Path) -> None:
-    with local_farm(models_dir, "oneslot", "--engines", "1") as local:
-        with Farm(local.url, submitter="engines-tests") as farm:
-            a, b = hooked(farm, "sleep:1.5"), hooked(farm, "sleep:1.5")
-            assert pixels(a) == pixels(b)
-            assert overlap(a, b) < 0, (window(a), window(b))
+    with (
+        local_farm(models_dir, "oneslot", "--engines", "1") as local,
+        Farm(local.url, submitter="engines-tests") as farm,
+    ):
+        a, b = hooked(farm, "sleep:1.5"), hooked(farm, "sleep:1.5")
+        assert pixels(a) == pixels(b)
+        assert overlap(a, b) < 0, (window(a), window(b))
 
 
 def test_a_job_that_does_not_fit_beside_the_running_one_waits(models_dir: Path) -> None:
     # Room for one engine of the tiny model, not two: the second job waits for the first.
     estimate = job_estimate_here(models_dir)
     limit = str(int(estimate * 1.5))
-    with local_farm(models_dir, "tightslots", "--engines", "2", "--memory-limit", limit) as local:
-        with Farm(local.url, submitter="engines-tests") as farm:
-            a = hooked(farm, "sleep:2")
-            wait_running(a)
-            b = hooked(farm, "sleep:0")
-            time.sleep(1.0)
-            assert b.state() == "queued", b.record()  # not placed beside the running one
-            assert pixels(a) == pixels(b)
-            assert overlap(a, b) < 0, (window(a), window(b))
+    with (
+        local_farm(models_dir, "tightslots", "--engines", "2", "--memory-limit", limit) as local,
+        Farm(local.url, submitter="engines-tests") as farm,
+    ):
+        a = hooked(farm, "sleep:2")
+        wait_running(a)
+        b = hooked(farm, "sleep:0")
+        time.sleep(1.0)
+        assert b.state() == "queued", b.record()  # not placed beside the running one
+        assert pixels(a) == pixels(b)
+        assert overlap(a, b) < 0, (window(a), window(b))
 
 
 def job_estimate_here(models_dir: Path) -> int:
