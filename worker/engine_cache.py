@@ -237,6 +237,7 @@ class EngineCache:
         every slot's busy and pinned engines leave no room and none of them is busy."""
         peers = self.peers
         deadline = time.monotonic() + peers.wait_s
+        rounds = 0
         while True:
             others = peers.engines()
             now, wall = self._clock(), time.time()
@@ -288,12 +289,18 @@ class EngineCache:
                 self._dispose(engine)
             if gone:
                 self._notify()
-            for slot, names in asked.items():
-                peers.ask_evict(slot, names)
-            if asked:
+            if not gone and not asked:  # nothing could go after all: never spin hot
                 if time.monotonic() >= deadline:
                     with self._mu:
                         self._raise_full(name, extra, held, stuck, limit)
+                peers.sleep(PEER_POLL_S)
+            if asked:
+                if rounds and time.monotonic() >= deadline:
+                    with self._mu:
+                        self._raise_full(name, extra, held, stuck, limit)
+                for slot, names in asked.items():
+                    peers.ask_evict(slot, names)
+                rounds += 1
                 peers.sleep(PEER_POLL_S)
 
     def evict_requested(self, names: list[str]) -> list[str]:
