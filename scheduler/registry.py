@@ -112,9 +112,16 @@ def account(
     its estimate taken from the figures. Used for every job sent in a pass and for jobs already
     sent whose model the heartbeat does not list yet, so two jobs of one model go where the
     first one's load is, and two new models are not put on a device that holds one."""
-    evicted = set(evict)
-    gone = sum(m.estimate for m in state.loaded if m.name in evicted)
-    kept = [m for m in state.loaded if m.name not in evicted]
+    # One engine per name evicted (with N slots a model may be loaded more than once, and
+    # placement names each engine it evicts); idle ones first, as the worker evicts.
+    evicted = list(evict)
+    kept, gone = [], 0
+    for m in sorted(state.loaded, key=lambda m: m.busy):
+        if m.name in evicted and (state.slots == 1 or not m.busy):
+            evicted.remove(m.name)
+            gone += m.estimate
+        else:
+            kept.append(m)
     taken = 0
     if state.slots > 1:
         kept, taken = _engine_per_job(kept, model, estimate)

@@ -314,3 +314,13 @@ def test_parse_engines() -> None:
     for bad in ("0", "-1", "x", "65"):
         with pytest.raises(argparse.ArgumentTypeError):
             parse_engines(bad)
+
+
+def test_evicting_one_of_two_engines_of_a_model_gives_back_one() -> None:
+    # Two slots each hold an idle "b"; "c" needs one of them gone, not both.
+    d = device(10, (eng("b", 4, idle=1.0), eng("b", 4, idle=2.0)))
+    outcome = place(job("c", 4), [d], NOW)
+    assert outcome == Placed("h/gpu0", "fits-evicting", ("b",))
+    after = account(d, "c", 4 * GiB, outcome.evict)
+    assert [m.name for m in after.loaded] == ["b", "c"]
+    assert after.compute_figure == 2 * GiB
