@@ -153,6 +153,7 @@ class Heartbeat:
         self._ctx = ctx
         self._parent = os.getppid()
         self._stop = threading.Event()
+        self._publish_lock = threading.Lock()
         self._models = ModelFacts(ctx.catalog, ctx.config.device, ctx.loras, ctx.upscalers)
         self._version = version()
         self._thread = threading.Thread(target=self._run, name="sdfarm-heartbeat", daemon=True)
@@ -222,6 +223,15 @@ class Heartbeat:
             "unwritten": {j: e for j, (_, e) in list(ctx.uploader.unwritten.items())[:20]},
         }
 
+    def publish(self) -> dict[str, Any]:
+        """Write this slot's file now (N > 1), made and written under one lock: the job
+        thread and this thread both write it, and an older document must never land after a
+        newer one (another slot's load would not count an engine just loaded)."""
+        with self._publish_lock:
+            doc = self.slot_doc()
+            self._ctx.board.write(self._ctx.slot, doc)
+            return doc
+
     def device_payload(self, slots: dict[int, dict[str, Any]]) -> dict[str, Any]:
         """The device's heartbeat made of every live slot's document (N > 1): the engines and
         loads of all slots against the one figure, the worker's incarnation (a replaced slot
@@ -259,8 +269,7 @@ class Heartbeat:
         if ctx.board is None:
             ctx.store.beat(ctx.config.device_key, self.payload(), keys.HEARTBEAT_TTL)
             return
-        own = self.slot_doc()
-        ctx.board.write(ctx.slot, own)
+        own = self.publish()
         slots = ctx.board.live()
         slots[ctx.slot] = own
         if min(slots) != ctx.slot or ctx.board.stopping:

@@ -170,7 +170,7 @@ class Context:
         if self.board is None or not hasattr(self, "heartbeat"):
             return
         try:
-            self.board.write(self.slot, self.heartbeat.slot_doc())
+            self.heartbeat.publish()
         except Exception as exc:  # noqa: BLE001 - the next beat writes it again
             log.warning("slot %d: its file not written: %s", self.slot, exc)
 

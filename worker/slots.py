@@ -31,6 +31,7 @@ import json
 import os
 import shutil
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -120,7 +121,7 @@ class SlotBoard:
     def write(self, slot: int, doc: dict[str, Any]) -> None:
         """Replace slot `slot`'s file atomically (readers see the old or the new one)."""
         path = self.root / f"slot-{slot}.json"
-        tmp = self.root / f".slot-{slot}.{os.getpid()}.tmp"
+        tmp = self.root / f".slot-{slot}.{os.getpid()}.{threading.get_ident()}.tmp"
         tmp.write_text(json.dumps(doc))
         os.replace(tmp, path)
 
@@ -168,7 +169,7 @@ class SlotBoard:
                 asked = set(json.loads(path.read_text()))
             except (OSError, ValueError):
                 asked = set()
-            tmp = self.root / f".evict-{slot}.{os.getpid()}.tmp"
+            tmp = self.root / f".evict-{slot}.{os.getpid()}.{threading.get_ident()}.tmp"
             tmp.write_text(json.dumps(sorted(asked | set(names))))
             os.replace(tmp, path)
 
