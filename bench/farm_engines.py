@@ -9,7 +9,7 @@ estimates in the heartbeat against the device's capacity).
 
 Before the timed batch each N gets 2N warm-up jobs at once, so every slot has loaded its
 engine (and warmed it up) before the clock starts. images/s = K / (the last job's end - the
-first job's claim), by the job records; "at once" is the most jobs whose claim-to-encoded
+first job's claim), by the job records; "at once" is the most jobs whose claim-to-generated
 windows overlap. Without --model, the tiny test model.
 Needs only the package's dependencies on PYTHONPATH and a redis-server on PATH.
 """
@@ -115,9 +115,10 @@ class Sampler:
 
 
 def busy(timings: dict[str, Any]) -> float:
-    """A job's time in its slot from the claim: the worker's work before the generation, the
-    load, the generation and the PNG encode."""
-    return sum(float(timings.get(k) or 0.0) for k in ("worker_pre_s", "generate_s", "encode_s"))
+    """A job's time in its slot from the claim: the worker's work before the generation (the
+    load included) and the generation; the PNG encode and the upload run on the uploader
+    thread, beside the slot's next job."""
+    return sum(float(timings.get(k) or 0.0) for k in ("worker_pre_s", "generate_s"))
 
 
 def most_at_once(windows: list[tuple[float, float]]) -> int:
@@ -158,8 +159,8 @@ def one_n(
             results = [job.result(timeout=args.timeout) for job in jobs]
             wall = time.perf_counter() - t
         records = [job.record() for job in jobs]
-    # A slot is busy from its claim to the end of its work (the upload of the result runs on
-    # beside the next job, so the record's `ended` would overlap even with one slot).
+    # A slot is busy from its claim to the end of its generation (the encode and upload run
+    # on beside the next job, so the record's `ended` would overlap even with one slot).
     windows = [
         (float(r["started"]), float(r["started"]) + busy(res.metadata.get("timings") or {}))
         for r, res in zip(records, results, strict=True)
