@@ -237,7 +237,7 @@ class Heartbeat:
         loads of all slots against the one figure, the worker's incarnation (a replaced slot
         is not a restart of the device) and the live slots' incarnations (what a running
         job's claim is checked against)."""
-        ctx, cfg = self._ctx, self._ctx.config
+        cfg = self._ctx.config
         doc = self.payload(held=sum(int(d.get("held") or 0) for d in slots.values()))
         order = [slots[i] for i in sorted(slots)]
         states = {d.get("state") for d in order}
@@ -261,7 +261,6 @@ class Heartbeat:
             pid=self._parent,
             pids=[d.get("pid") for d in order],
         )
-        del ctx
         return doc
 
     def beat(self) -> None:

@@ -4,7 +4,8 @@ the scheduler, one CPU worker with test hooks on) and the tiny model.
 With two slots two jobs run at once (their claim-to-end windows overlap) and give the same
 pixels as each other; with one they run one after the other. A job whose estimate does not
 fit beside the running one's engine waits for it. Killing one slot's process costs only the
-job it ran (re-placed once, then done); the other slot's job finishes untouched.
+job it ran (re-placed once, then done); the other slot's job finishes untouched; a job that
+kills two slots is failed as poison while the other slot's job finishes.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import Any
 import pytest
 from PIL import Image
 
-from sdfarm.client.farm import Farm
+from sdfarm.client.farm import Farm, JobFailed
 from sdfarm.store import JobSpec
 
 pytestmark = pytest.mark.e2e
@@ -120,6 +121,20 @@ def test_killing_one_slot_costs_only_its_job(farm2: Farm) -> None:
     assert "worker restarted" in reasons, a.events()
     # The device is the same worker: a replaced slot is not a restart.
     assert farm2.status()["devices"][0]["incarnation"] == before
+
+
+def test_a_job_that_kills_two_slots_is_poison_and_the_other_slots_job_finishes(
+    farm2: Farm,
+) -> None:
+    other = hooked(farm2, "sleep:3", "the other slot")
+    wait_running(other)
+    bad = hooked(farm2, "abort", "aborts its slot")
+    with pytest.raises(JobFailed) as info:
+        bad.result(60)
+    assert info.value.error.startswith("poison:"), info.value.error
+    assert pixels(other)
+    assert other.record().get("attempts", "0") in ("", "0")
+    assert farm2.submit(MODEL, "after the poison", **SMALL).result(60).png
 
 
 def test_one_slot_runs_one_job_at_a_time(models_dir: Path) -> None:
