@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import subprocess
 from dataclasses import replace
+from typing import Any
 
 import pytest
 
@@ -324,3 +325,40 @@ def test_evicting_one_of_two_engines_of_a_model_gives_back_one() -> None:
     after = account(d, "c", 4 * GiB, outcome.evict)
     assert [m.name for m in after.loaded] == ["b", "c"]
     assert after.compute_figure == 2 * GiB
+
+
+def _slot_process(root: str, ready: Any, done: Any) -> None:
+    """Slot 1 in its own process: loads "a", leaves it idle, then serves eviction requests
+    (as the worker's janitor does) until told to stop; exits 0 if "a" was disposed."""
+    board = SlotBoard(root)
+    gone: list[str] = []
+    c = EngineCache(lambda n: n, 10 * GiB, peers=Peers(board, 1), dispose=gone.append)
+    c.on_change = lambda: board.write(
+        1, {"pid": os.getpid(), "loaded": c.snapshot(), "held": c.held_bytes()}
+    )
+    c.get("a", 4 * GiB)
+    c.release("a")
+    ready.set()
+    while not done.wait(0.02):
+        c.evict_requested(board.take_evictions(1))
+    os._exit(0 if gone == ["a"] else 1)
+
+
+def test_a_load_evicts_another_processes_idle_engine_through_the_board(tmp_path) -> None:
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("fork")
+    ready, done = ctx.Event(), ctx.Event()
+    other = ctx.Process(target=_slot_process, args=(str(tmp_path), ready, done))
+    other.start()
+    try:
+        assert ready.wait(10)
+        board = SlotBoard(tmp_path)
+        assert [e["name"] for _, e in Peers(board, 0).engines()] == ["a"]
+        c = EngineCache(lambda n: n, 10 * GiB, peers=Peers(board, 0, wait_s=10.0))
+        assert c.get("b", 8 * GiB) == "b"  # 4 + 8 > 10: slot 1's idle "a" had to go
+        assert Peers(board, 0).engines() == []
+    finally:
+        done.set()
+        other.join(10)
+    assert other.exitcode == 0
