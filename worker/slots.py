@@ -61,14 +61,15 @@ def slot_index() -> int:
 
 def auto_engines(device_type: str, capacity: int, largest_estimate: int) -> int:
     """`--engines auto`: 1 on the CPU: one engine's threads already use every core, so a
-    second engine only splits them. On a GPU, GPU_ENGINES (2): on the H200 one engine made
+    second engine only splits them (an integrated GPU too: nothing measured it). On a
+    discrete GPU, GPU_ENGINES (2): on the H200 one engine made
     8.52 img/s (SD-Turbo architecture, 512x512, 1 step), two 9.58 (+12%),
     four 9.88 (+3% more for twice the memory), eight no more. Reduced so that that many
     engines of the largest listed model (`largest_estimate`, its resident estimate) fit the
     device's figure (`capacity`): the scheduler counts every engine at its estimate, and an
     engine that cannot fit beside the others would only make jobs wait. At least 1."""
-    if device_type not in ("gpu", "accel", "igpu"):
-        return 1
+    if device_type not in ("gpu", "accel"):
+        return 1  # the CPU, and an integrated GPU (its memory and power are the host's)
     n = GPU_ENGINES
     if largest_estimate > 0:
         n = min(n, capacity // largest_estimate)

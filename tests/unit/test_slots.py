@@ -298,6 +298,7 @@ def test_the_board_lists_live_slots_only_and_the_lowest_leads(tmp_path) -> None:
     ("dtype", "capacity", "largest", "want"),
     [
         ("cpu", 64 * GiB, GiB, 1),
+        ("igpu", 64 * GiB, GiB, 1),
         ("gpu", 139 * GiB, 6 * GiB, GPU_ENGINES),
         ("accel", 139 * GiB, 0, GPU_ENGINES),
         ("gpu", 10 * GiB, 6 * GiB, 1),
