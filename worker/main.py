@@ -116,8 +116,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="N|auto",
         help="engine slots on the device: N pool processes, each with its own engines, run N "
         "jobs at once; every engine and running job counts against the device's one figure. "
-        "auto: 1 on the CPU, 2 on a GPU (fewer when two engines of the largest model do not "
-        "fit) (default $SDFARM_ENGINES, else 1)",
+        "auto: 1 on the CPU, 2 on a discrete GPU (fewer when two engines of the largest model "
+        "do not fit) (default $SDFARM_ENGINES, else 1)",
     )
     parser.add_argument(
         "--backend",
