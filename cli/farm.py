@@ -135,6 +135,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         schedulers=2,  # a standby takes over at once when the leader dies
         metrics_port=args.metrics_port,
         results=args.results,
+        engines=args.engines,
         on_event=lambda kind, role, **info: _err(
             f"{role}: {kind} " + " ".join(f"{k}={v}" for k, v in info.items())
         ),
@@ -227,6 +228,13 @@ def add_farm_commands(sub: Any) -> None:
     )
     up.add_argument("--redis", default=None, help="use this Redis instead of a private one")
     up.add_argument("--threads", type=int, default=None, help="CPU threads per worker")
+    up.add_argument(
+        "--engines",
+        default=None,
+        metavar="N|auto",
+        help="engine slots per worker: N jobs at once on a device, each engine counted against "
+        "its figure (default $SDFARM_ENGINES, else 1)",
+    )
     up.add_argument("--host", default=None, help="the host name in heartbeats")
     up.add_argument(
         "--results",

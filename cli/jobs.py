@@ -38,18 +38,21 @@ def _print_status(doc: dict[str, Any]) -> None:
     for d in devices:
         where = d.get("key") or f"{d.get('host', '?')}/{d.get('device', '?')}"
         alive = "" if d.get("alive", True) else "  (no heartbeat)"
+        slots = f", {d['slots']} engine slots" if int(d.get("slots") or 1) > 1 else ""
         print(
             f"{where:<28} {d.get('type', ''):<5} {d.get('state', ''):<8} "
             f"free {_fmt_bytes(d.get('free'))} of {_fmt_bytes(d.get('total'))}, "
             f"figure {_fmt_bytes(d.get('figure'))}, "
             f"MemAvailable {_fmt_bytes(d.get('mem_available'))}, "
-            f"jobs {d.get('queued', 0)}{alive}"
+            f"jobs {d.get('queued', 0)}{slots}{alive}"
         )
         for m in d.get("loaded") or []:
             if not isinstance(m, dict):
                 continue
             state = "busy" if m.get("busy") else f"idle {m.get('idle_s') or 0:.0f} s"
             pinned = ", pinned" if m.get("pinned") else ""
+            if slots and m.get("slot") is not None:
+                pinned += f", slot {m['slot']}"
             print(
                 f"    {m.get('name', '?'):<24} {state}{pinned}, "
                 f"estimate {_fmt_bytes(m.get('estimate'))}"

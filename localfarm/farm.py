@@ -88,6 +88,7 @@ class LocalFarm:
         on_event: Any = None,
         metrics_port: int | None = None,
         results: str | None = None,
+        engines: int | str | None = None,
     ) -> None:
         self.models_dirs = [str(Path(d).resolve()) for d in models_dirs]
         self.devices = list(devices) if devices else []
@@ -98,6 +99,8 @@ class LocalFarm:
         self.ready_timeout = ready_timeout
         self.grace = grace
         self.worker_args = list(worker_args)
+        if engines is not None:  # engine slots per worker (sdfarm worker --engines)
+            self.worker_args += ["--engines", str(engines)]
         self.scheduler_args = list(scheduler_args)
         self.env = dict(os.environ if env is None else env)
         self.env.setdefault("PYTHONUNBUFFERED", "1")

@@ -242,6 +242,9 @@ class Dispatcher:
         for device, entries in snap.running.items():
             hb = snap.heartbeats.get(device)
             incarnation = str(hb.get("incarnation") or "") if hb is not None else ""
+            # With --engines N the device's incarnation is its worker's and each slot's
+            # process claims under its own: a claim is live while its slot is listed.
+            claims = {str(i) for i in (hb or {}).get("incarnations") or ()} | {incarnation}
             previous = self._incarnations.get(device)
             changed = bool(hb) and bool(previous) and bool(incarnation) and incarnation != previous
             if hb is not None and incarnation:
@@ -271,7 +274,7 @@ class Dispatcher:
                     reason = "worker restarted"
                 elif state == "placed" and self._message_lost(job_id, hb, job, snap.now, now):
                     reason = "its task message never reached the worker"
-                elif state == "running" and job.get("incarnation") not in ("", incarnation):
+                elif state == "running" and job.get("incarnation") not in ("", *claims):
                     since = self._mismatch_since.setdefault(job_id, now)
                     if incarnation and (
                         _beat_after_claim(hb, job) or now - since >= self.config.mismatch_grace

@@ -128,8 +128,8 @@ class DeviceIndex:
         """Whether device `key`, which holds the job's model, offers the ``loaded`` tier: the
         job's size fits next to the engine (placement._tier_for_held)."""
         d = self.devices[key]
-        held = next(m for m in d.loaded if m.name == job.model)
-        return job.estimate <= held.estimate + d.compute_figure
+        held = placement.held_engine(d, job.model)  # with N slots: an idle one, or none
+        return held is not None and job.estimate <= held.estimate + d.compute_figure
 
     def _best_loaded(self, job: JobRequest) -> str | None:
         """The best device with room offering the ``loaded`` tier: least queued, then most
@@ -152,7 +152,16 @@ class DeviceIndex:
         """The best device with room where `job` fits without eviction and its model is not
         held (the ``fits`` tier): least queued, then most free memory, then key."""
         holders = self._holders.get(job.model, set())
-        return next((k for k in self._ready.walk(job.estimate) if k not in holders), None)
+        return next(
+            (
+                k
+                for k in self._ready.walk(job.estimate)
+                # a device with N slots whose engines of the model are all busy needs a new
+                # one: for this job it does not hold the model
+                if k not in holders or placement.held_engine(self.devices[k], job.model) is None
+            ),
+            None,
+        )
 
     def place(self, job: JobRequest, now: float) -> Outcome:
         """What `placement.place(job, every device, now)` decides (a Wait's reason aside)."""

@@ -82,6 +82,12 @@ class DeviceState:
     - `alive`: heartbeat is fresh. `accepting`: the worker takes new jobs (not draining).
     - `capacity`: the figure the device would have if emptied (free + what its own engines
       hold): a job above every figure now but within a capacity waits instead of failing.
+    - `slots`: engine slots (`sdfarm worker --engines N`), each running one job at once with
+      its own engines. With one slot a job of a loaded model runs on that engine, after the
+      running one; with N > 1 it may run beside it, so only an idle engine of its model is
+      ``loaded`` for it, and a busy one makes it need an engine of its own (its estimate
+      against the shared figure). The registry grows `backlog_limit` by N - 1, so N jobs
+      run and the backlog waits behind them.
     """
 
     host: str
@@ -95,8 +101,11 @@ class DeviceState:
     backlog_limit: int = 2
     alive: bool = True
     accepting: bool = True
+    slots: int = 1
 
     def __post_init__(self) -> None:
+        if self.slots < 1:
+            raise ValueError(f"{self.key}: slots must be at least 1, got {self.slots}")
         if self.type not in DEVICE_TYPES:
             raise ValueError(f"{self.key}: device type {self.type!r} not one of cpu/gpu/igpu")
         for name in ("compute_figure", "slow_figure", "capacity", "queued", "backlog_limit"):
@@ -227,6 +236,16 @@ def figures_table(devices: Sequence[DeviceState]) -> str:
     return "\n".join(lines)
 
 
+def held_engine(device: DeviceState, model: str) -> LoadedModel | None:
+    """The engine of `model` on `device` a job of it would use: with one slot the loaded
+    one (busy or not: the job runs after the running one), with N slots an idle one (a busy
+    engine runs another job; this one may run beside it, on an engine of its own)."""
+    for m in device.loaded:
+        if m.name == model and (device.slots == 1 or not m.busy):
+            return m
+    return None
+
+
 def _evictable(device: DeviceState, now: float) -> list[LoadedModel]:
     """Idle, unpinned engines, least recently used first (ties by name).
 
@@ -279,8 +298,8 @@ class _Option:
 def plan_for(job: JobRequest, device: DeviceState, now: float) -> TilingPlan:
     """How `job` decodes on `device`: the plan against what the device's compute figure can
     give it, counting the model's engine there and the idle engines it may evict."""
-    held = next((m for m in device.loaded if m.name == job.model), None)
-    others = [m for m in _evictable(device, now) if m.name != job.model]
+    held = held_engine(device, job.model)
+    others = [m for m in _evictable(device, now) if m is not held]
     room = device.compute_figure + (held.estimate if held else 0)
     return job.plan(room + sum(m.estimate for m in others))
 
@@ -295,7 +314,7 @@ def tier_for(
     the job waits for it (see `place`).
     """
     job = replace(job, estimate=plan_for(job, device, now).estimate, tiled_estimate=None)
-    held = next((m for m in device.loaded if m.name == job.model), None)
+    held = held_engine(device, job.model)
     if held is not None:
         return _tier_for_held(job, device, held, now)
     candidates = _evictable(device, now)
@@ -321,7 +340,7 @@ def _tier_for_held(
     (and `place` refuses it if even the emptied device is too small)."""
     if job.estimate <= held.estimate + device.compute_figure:
         return TIER_LOADED, ()
-    others = [m for m in _evictable(device, now) if m.name != job.model]
+    others = [m for m in _evictable(device, now) if m is not held]
     evict = _evict_to_fit(device.compute_figure + held.estimate, job.estimate, others)
     if evict is not None:
         return TIER_FITS_EVICTING, evict

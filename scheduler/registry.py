@@ -71,6 +71,7 @@ def device_state(
     """One live heartbeat as placement's `DeviceState`, with the worker's own figures."""
     host, _, device = key.partition("/")
     compute = _int(hb.get("compute_figure"))
+    slots = max(1, _int(hb.get("slots"), 1))
     return DeviceState(
         host=str(hb.get("host") or host),
         device=str(hb.get("device") or device),
@@ -80,9 +81,10 @@ def device_state(
         capacity=max(_int(hb.get("capacity")), compute),
         loaded=loaded_models(hb),
         queued=queued,
-        backlog_limit=backlog_limit,
+        backlog_limit=backlog_limit + slots - 1,  # N running at once, then the backlog
         alive=True,
         accepting=bool(hb.get("accepting", True)),
+        slots=slots,
     )
 
 
@@ -110,11 +112,20 @@ def account(
     its estimate taken from the figures. Used for every job sent in a pass and for jobs already
     sent whose model the heartbeat does not list yet, so two jobs of one model go where the
     first one's load is, and two new models are not put on a device that holds one."""
-    evicted = set(evict)
-    gone = sum(m.estimate for m in state.loaded if m.name in evicted)
-    kept = [m for m in state.loaded if m.name not in evicted]
+    # One engine per name evicted (with N slots a model may be loaded more than once, and
+    # placement names each engine it evicts); idle ones first, as the worker evicts.
+    evicted = list(evict)
+    kept, gone = [], 0
+    for m in sorted(state.loaded, key=lambda m: m.busy):
+        if m.name in evicted and (state.slots == 1 or not m.busy):
+            evicted.remove(m.name)
+            gone += m.estimate
+        else:
+            kept.append(m)
     taken = 0
-    if any(m.name == model for m in kept):
+    if state.slots > 1:
+        kept, taken = _engine_per_job(kept, model, estimate)
+    elif any(m.name == model for m in kept):
         kept = [replace(m, busy=True) if m.name == model else m for m in kept]
     else:
         kept.append(LoadedModel(model, max(0, estimate), busy=True))
@@ -132,6 +143,8 @@ def account_sent(state: DeviceState, sent: Iterable[tuple[str, int]]) -> DeviceS
     """`account(state, model, estimate, sent=0)` for each (model, estimate) in turn, built
     once: every cycle does this for every job already sent to every device, and a copy of
     the device per job was most of reading a large farm."""
+    if state.slots > 1:
+        return _account_slots(state, sent)
     kept = list(state.loaded)
     names = {m.name for m in kept}
     busy: set[str] = set()
@@ -146,6 +159,44 @@ def account_sent(state: DeviceState, sent: Iterable[tuple[str, int]]) -> DeviceS
     if not busy and not taken and len(kept) == len(state.loaded):
         return state
     kept = [replace(m, busy=True) if m.name in busy and not m.busy else m for m in kept]
+    return replace(
+        state,
+        loaded=tuple(sorted(kept, key=lambda m: m.name)),
+        compute_figure=max(0, state.compute_figure - taken),
+        slow_figure=max(0, state.slow_figure - taken),
+    )
+
+
+def _engine_per_job(
+    kept: list[LoadedModel], model: str, estimate: int
+) -> tuple[list[LoadedModel], int]:
+    """With N slots each job runs on an engine of its own: an idle engine of its model turns
+    busy, else a new busy engine of `estimate` bytes is counted (the bytes taken)."""
+    for i, m in enumerate(kept):
+        if m.name == model and not m.busy:
+            kept = [*kept[:i], replace(m, busy=True), *kept[i + 1 :]]
+            return kept, 0
+    return [*kept, LoadedModel(model, max(0, estimate), busy=True)], max(0, estimate)
+
+
+def _account_slots(state: DeviceState, sent: Iterable[tuple[str, int]]) -> DeviceState:
+    """`account_sent` on a device with N slots. The heartbeat's busy engines run jobs that
+    are among those sent (running); the other sent jobs each take an idle engine of their
+    model, else a new one, counted at its estimate. Cautious on purpose: a job may reach a
+    slot that does not hold its model and load it again (the worker then evicts the idle
+    copy), and a job in the backlog behind N running ones is counted as an engine too."""
+    per_model: dict[str, list[int]] = {}
+    for model, estimate in sent:
+        per_model.setdefault(model, []).append(estimate)
+    kept = list(state.loaded)
+    taken = 0
+    for model, estimates in sorted(per_model.items()):
+        running = sum(1 for m in kept if m.name == model and m.busy)
+        for estimate in estimates[running:]:
+            kept, took = _engine_per_job(kept, model, estimate)
+            taken += took
+    if not taken and kept == list(state.loaded):
+        return state
     return replace(
         state,
         loaded=tuple(sorted(kept, key=lambda m: m.name)),

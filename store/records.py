@@ -89,7 +89,8 @@ HEARTBEAT_FIELDS = {
     "compute_figure": "capacity minus the estimates of the loaded engines",
     "slow_figure": "a GPU: its remaining figure + MemAvailable; CPU: compute_figure",
     "mem_available": "the host's MemAvailable now",
-    "loaded": "[{name, estimate, busy, pinned, idle_since, idle_s}] the engines held",
+    "loaded": "[{name, estimate, busy, pinned, idle_since, idle_s, slot}] the engines held "
+    "(with N slots a model may be listed once per slot)",
     "loading": "the model being loaded, or null",
     "models": "{name: {bytes, native_size: [w, h], decode_per_pixel}} the models it can load",
     "bad_models": "{name: error} models in its folders that do not load",
@@ -100,8 +101,14 @@ HEARTBEAT_FIELDS = {
     "current_job": "the job it runs, or null",
     "unwritten": "{job: why} jobs whose end Redis refused; the worker keeps trying",
     "version": "{sdfarm, sd}",
-    "incarnation": "a uuid per worker process: a new one means its running job was lost",
-    "pid": "the worker process",
+    "incarnation": "a uuid per worker process: a new one means its running job was lost "
+    "(with --engines N > 1: the worker's, made at its start)",
+    "pid": "the worker process (with N > 1 slots: the worker's main process)",
+    "slots": "engine slots (--engines N): jobs the device runs at once, each on its own engine",
+    "incarnations": "N > 1: each live slot's process uuid (a running job's claim is checked "
+    "against these)",
+    "current_jobs": "N > 1: the jobs the slots run",
+    "pids": "N > 1: the slots' processes",
     "memory_limit": "--memory-limit in bytes, or null",
     "keep_alive": "seconds an idle engine stays loaded",
     "ts": "when it was written (the worker's clock)",

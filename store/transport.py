@@ -93,13 +93,14 @@ def on_pool_process(start: Callable[..., Any], stop: Callable[..., Any]) -> None
     signals.worker_process_shutdown.connect(stop, weak=False)
 
 
-def run_worker(app: Any, hostname: str, queue: str) -> int:
-    """One prefork pool process consuming `queue` only, until SIGTERM (the running job
-    finishes first); its exit code."""
+def run_worker(app: Any, hostname: str, queue: str, concurrency: int = 1) -> int:
+    """A prefork pool of `concurrency` processes (one per engine slot) consuming `queue`
+    only, until SIGTERM (running jobs finish first); its exit code. With prefetch 1 the
+    main process reserves at most one message per pool process."""
     worker = app.Worker(
         hostname=hostname,
         pool_cls="prefork",
-        concurrency=1,
+        concurrency=concurrency,
         queues=[queue],
         loglevel="WARNING",
         without_gossip=True,

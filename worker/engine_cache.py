@@ -22,6 +22,8 @@ from typing import Any
 from sdfarm.native.devices import format_bytes
 from sdfarm.native.errors import ModelTooLargeError
 
+PEER_POLL_S = 0.05
+
 
 class CacheFullError(ModelTooLargeError):
     """The model's estimate does not fit this device even after evicting every idle engine."""
@@ -63,8 +65,15 @@ class EngineCache:
         clock: Callable[[], float] = time.monotonic,
         dispose: Callable[[Any], None] = _dispose,
         overflow_bytes: int | None = None,
+        peers: Any = None,
+        on_change: Callable[[], None] | None = None,
     ) -> None:
         self._loader = loader
+        # The other engine slots on this device (sdfarm.worker.slots.Peers) with N > 1: their
+        # engines count against the same capacity, a load takes the device's load lock and
+        # may ask them to evict idle engines. None: this cache is alone on its device.
+        self.peers = peers
+        self.on_change = on_change
         self.capacity_bytes = int(capacity_bytes)
         self.overflow_bytes = overflow_bytes
         self.keep_alive = float(keep_alive)
@@ -88,6 +97,12 @@ class EngineCache:
         """The model being loaded right now, if any."""
         with self._mu:
             return self._loading[0] if self._loading else None
+
+    @property
+    def loading_estimate(self) -> int:
+        """The estimate of the load in progress (0 when none)."""
+        with self._mu:
+            return self._loading[1] if self._loading else 0
 
     def held_bytes(self) -> int:
         """The estimates of every loaded engine plus the one being loaded."""
@@ -126,36 +141,201 @@ class EngineCache:
         `release(name)`."""
         need = max(estimate, need or 0)
         with self._load_lock:
-            victims: list[Any] = []
+            if self.peers is None:
+                return self._get_locked(name, estimate, need)
             with self._mu:
                 e = self._entries.get(name)
-                if e is not None and _poisoned(e.engine):
-                    victims.append(self._entries.pop(name).engine)
-                    e = None
-                if e is not None:
+                if e is not None and not _poisoned(e.engine) and need <= e.estimate:
                     e.users += 1
                     e.last_used = self._clock()
-                    if need > e.estimate:
-                        victims += self._evict_locked(
-                            self.capacity_bytes, keep=name, need=need - e.estimate
-                        )
+                    hit = e.engine
                 else:
-                    victims += self._make_room_locked(name, need)
-                    self._loading = (name, estimate)
-            for engine in victims:
-                self._dispose(engine)
+                    hit = None
+            if hit is not None:
+                self._notify()
+                return hit
+            with self.peers.load_lock():
+                return self._get_shared(name, estimate, need)
+
+    def _get_locked(self, name: str, estimate: int, need: int) -> Any:
+        """`get` for a cache alone on its device (the load lock held)."""
+        victims: list[Any] = []
+        with self._mu:
+            e = self._entries.get(name)
+            if e is not None and _poisoned(e.engine):
+                victims.append(self._entries.pop(name).engine)
+                e = None
             if e is not None:
-                return e.engine
-            try:
-                engine = self._loader(name)
-            finally:
-                with self._mu:
-                    self._loading = None
+                e.users += 1
+                e.last_used = self._clock()
+                if need > e.estimate:
+                    victims += self._evict_locked(
+                        self.capacity_bytes, keep=name, need=need - e.estimate
+                    )
+            else:
+                victims += self._make_room_locked(name, need)
+                self._loading = (name, estimate)
+        for engine in victims:
+            self._dispose(engine)
+        if e is not None:
+            return e.engine
+        try:
+            engine = self._loader(name)
+        finally:
             with self._mu:
-                self._entries[name] = _Entry(
-                    engine, estimate, name in self.pinned, users=1, last_used=self._clock()
-                )
-            return engine
+                self._loading = None
+        with self._mu:
+            self._entries[name] = _Entry(
+                engine, estimate, name in self.pinned, users=1, last_used=self._clock()
+            )
+        return engine
+
+    def _get_shared(self, name: str, estimate: int, need: int) -> Any:
+        """`get` beside other slots (the device's load lock and this cache's held): make room
+        across every slot's engines, then load (or use the loaded engine at a larger size)."""
+        victims: list[Any] = []
+        with self._mu:
+            e = self._entries.get(name)
+            if e is not None and _poisoned(e.engine):
+                victims.append(self._entries.pop(name).engine)
+                e = None
+            if e is not None:
+                e.users += 1  # busy from now: never evicted for its own room
+                e.last_used = self._clock()
+        for engine in victims:
+            self._dispose(engine)
+        try:
+            extra = need - e.estimate if e is not None else need
+            self._room_across_slots(name, max(0, extra))
+        except BaseException:
+            if e is not None:
+                self.release(name)
+            raise
+        if e is not None:
+            self._notify()
+            return e.engine
+        with self._mu:
+            self._loading = (name, estimate)
+        self._notify()
+        try:
+            engine = self._loader(name)
+        finally:
+            with self._mu:
+                self._loading = None
+        with self._mu:
+            self._entries[name] = _Entry(
+                engine, estimate, name in self.pinned, users=1, last_used=self._clock()
+            )
+        self._notify()
+        return engine
+
+    def _room_across_slots(self, name: str, extra: int) -> None:
+        """Until `extra` more bytes fit the capacity next to every engine of every slot:
+        evict idle, unpinned engines least recently used first, this slot's at once, other
+        slots' by asking them (and waiting for their files to say so). Busy engines of other
+        slots may end within the wait; CacheFullError when it runs out, or at once when even
+        every slot's busy and pinned engines leave no room and none of them is busy."""
+        peers = self.peers
+        deadline = time.monotonic() + peers.wait_s
+        rounds = 0
+        while True:
+            others = peers.engines()
+            now, wall = self._clock(), time.time()
+            with self._mu:
+                own = [
+                    (e.busy or e.pinned, wall - max(0.0, now - e.last_used), -1, n, e.estimate)
+                    for n, e in self._entries.items()
+                ]
+            theirs = [
+                (bool(o.get("busy") or o.get("pinned")), float(o.get("idle_since") or 0.0),
+                 slot, str(o.get("name")), int(o.get("estimate") or 0))
+                for slot, o in others
+            ]  # fmt: skip
+            everything = own + theirs
+            held = sum(x[4] for x in everything)
+            stuck = sum(x[4] for x in everything if x[0])
+            if held + extra <= self.capacity_bytes:
+                return
+            limit = self.capacity_bytes
+            if self.overflow_bytes is not None and not theirs:
+                limit = max(limit, self.overflow_bytes)
+            if held + extra <= limit:
+                return
+            if stuck + extra > limit:
+                others_busy = any(o.get("busy") for _, o in others)
+                if others_busy and time.monotonic() < deadline:
+                    peers.sleep(PEER_POLL_S * 4)
+                    continue
+                with self._mu:
+                    self._raise_full(name, extra, held, stuck, limit)
+            over = held + extra - limit
+            mine: list[str] = []
+            asked: dict[int, list[str]] = {}
+            for _, _, slot, n, est in sorted(x for x in everything if not x[0]):
+                if over <= 0:
+                    break
+                if slot < 0:
+                    mine.append(n)
+                else:
+                    asked.setdefault(slot, []).append(n)
+                over -= est
+            gone = []
+            with self._mu:
+                for n in mine:
+                    e = self._entries.get(n)
+                    if e is not None and not e.busy and not e.pinned:
+                        gone.append(self._entries.pop(n).engine)
+            for engine in gone:
+                self._dispose(engine)
+            if gone:
+                self._notify()
+            if not gone and not asked:  # nothing could go after all: never spin hot
+                if time.monotonic() >= deadline:
+                    with self._mu:
+                        self._raise_full(name, extra, held, stuck, limit)
+                peers.sleep(PEER_POLL_S)
+            if asked:
+                if rounds and time.monotonic() >= deadline:
+                    with self._mu:
+                        self._raise_full(name, extra, held, stuck, limit)
+                for slot, names in asked.items():
+                    peers.ask_evict(slot, names)
+                rounds += 1
+                peers.sleep(PEER_POLL_S)
+
+    def evict_requested(self, names: list[str]) -> list[str]:
+        """Another slot asked for these engines' memory: dispose those that are idle and not
+        pinned; returns their names."""
+        with self._mu:
+            gone = [
+                (n, self._entries.pop(n).engine)
+                for n in names
+                if n in self._entries and not self._entries[n].busy and not self._entries[n].pinned
+            ]
+        for _, engine in gone:
+            self._dispose(engine)
+        if gone:
+            self._notify()
+        return [n for n, _ in gone]
+
+    def _raise_full(self, name: str, estimate: int, held: int, stuck: int, limit: int) -> None:
+        """CacheFullError as `_make_room_locked` words it, counting every slot's engines."""
+        where = f"this device's capacity {format_bytes(self.capacity_bytes)}"
+        if limit > self.capacity_bytes:
+            where += f" (or {format_bytes(limit)} with system memory)"
+        raise CacheFullError(
+            f"model {name!r} needs an estimated {format_bytes(estimate)}, more than {where} "
+            f"next to the engines this device's slots cannot evict "
+            f"({format_bytes(stuck)} busy or pinned); use a smaller or quantized model, fewer "
+            "--engines, or a device with more memory",
+            estimate,
+            {"estimate": estimate, "capacity": self.capacity_bytes, "held": held,
+             "held_busy_or_pinned": stuck},
+        )  # fmt: skip
+
+    def _notify(self) -> None:
+        if self.on_change is not None:
+            self.on_change()
 
     def release(self, name: str) -> None:
         """The caller is done with the engine: it becomes idle (and evictable) from now."""
@@ -164,6 +344,7 @@ class EngineCache:
             if e is not None and e.users > 0:
                 e.users -= 1
                 e.last_used = self._clock()
+        self._notify()
 
     def drop(self, name: str) -> bool:
         """Remove and dispose `name` now (a poisoned engine, busy or not); False if absent."""
@@ -172,6 +353,7 @@ class EngineCache:
         if e is None:
             return False
         self._dispose(e.engine)
+        self._notify()
         return True
 
     def expire(self) -> list[str]:
@@ -188,6 +370,8 @@ class EngineCache:
             gone = [self._entries.pop(n).engine for n in names]
         for engine in gone:
             self._dispose(engine)
+        if names:
+            self._notify()
         return names
 
     def clear(self) -> None:

@@ -153,6 +153,7 @@ class Heartbeat:
         self._ctx = ctx
         self._parent = os.getppid()
         self._stop = threading.Event()
+        self._publish_lock = threading.Lock()
         self._models = ModelFacts(ctx.catalog, ctx.config.device, ctx.loras, ctx.upscalers)
         self._version = version()
         self._thread = threading.Thread(target=self._run, name="sdfarm-heartbeat", daemon=True)
@@ -167,11 +168,11 @@ class Heartbeat:
             with contextlib.suppress(Exception):  # Redis may be gone at shutdown
                 self._ctx.store.withdraw(self._ctx.config.device_key)
 
-    def payload(self) -> dict[str, Any]:
+    def payload(self, held: int | None = None) -> dict[str, Any]:
         ctx, cfg = self._ctx, self._ctx.config
         dev = cfg.device
         mem = mem_available()
-        held = ctx.cache.held_bytes()
+        held = ctx.cache.held_bytes() if held is None else held
         state = ctx.state
         if ctx.cache.loading:
             state = "loading"
@@ -201,11 +202,78 @@ class Heartbeat:
             "pid": os.getpid(),
             "memory_limit": cfg.memory_limit,
             "keep_alive": cfg.keep_alive,
+            "slots": cfg.engines,
             "ts": time.time(),
         }
 
+    def slot_doc(self) -> dict[str, Any]:
+        """This pool process's part of the device (its slot's file, sdfarm.worker.slots)."""
+        ctx = self._ctx
+        loading = ctx.cache.loading
+        return {
+            "slot": ctx.slot,
+            "pid": os.getpid(),
+            "incarnation": ctx.incarnation,
+            "state": "loading" if loading else ctx.state,
+            "current_job": ctx.current_job,
+            "loaded": [{**e, "slot": ctx.slot} for e in ctx.cache.snapshot()],
+            "loading": loading,
+            "loading_estimate": ctx.cache.loading_estimate if loading else 0,
+            "held": ctx.cache.held_bytes(),
+            "unwritten": {j: e for j, (_, e) in list(ctx.uploader.unwritten.items())[:20]},
+        }
+
+    def publish(self) -> dict[str, Any]:
+        """Write this slot's file now (N > 1), made and written under one lock: the job
+        thread and this thread both write it, and an older document must never land after a
+        newer one (another slot's load would not count an engine just loaded)."""
+        with self._publish_lock:
+            doc = self.slot_doc()
+            self._ctx.board.write(self._ctx.slot, doc)
+            return doc
+
+    def device_payload(self, slots: dict[int, dict[str, Any]]) -> dict[str, Any]:
+        """The device's heartbeat made of every live slot's document (N > 1): the engines and
+        loads of all slots against the one figure, the worker's incarnation (a replaced slot
+        is not a restart of the device) and the live slots' incarnations (what a running
+        job's claim is checked against)."""
+        cfg = self._ctx.config
+        doc = self.payload(held=sum(int(d.get("held") or 0) for d in slots.values()))
+        order = [slots[i] for i in sorted(slots)]
+        states = {d.get("state") for d in order}
+        jobs = [d["current_job"] for d in order if d.get("current_job")]
+        loading = next((d["loading"] for d in order if d.get("loading")), None)
+        unwritten: dict[str, Any] = {}
+        for d in order:
+            unwritten.update(d.get("unwritten") or {})
+        doc.update(
+            loaded=sorted(
+                (e for d in order for e in d.get("loaded") or []),
+                key=lambda e: (e.get("name", ""), e.get("slot", 0)),
+            ),
+            loading=loading,
+            state="busy" if "busy" in states else "loading" if loading else "idle",
+            current_job=jobs[0] if jobs else None,
+            current_jobs=jobs,
+            unwritten=dict(list(unwritten.items())[:20]),
+            incarnation=cfg.worker_id,
+            incarnations=[d.get("incarnation") for d in order],
+            pid=self._parent,
+            pids=[d.get("pid") for d in order],
+        )
+        return doc
+
     def beat(self) -> None:
-        self._ctx.store.beat(self._ctx.config.device_key, self.payload(), keys.HEARTBEAT_TTL)
+        ctx = self._ctx
+        if ctx.board is None:
+            ctx.store.beat(ctx.config.device_key, self.payload(), keys.HEARTBEAT_TTL)
+            return
+        own = self.publish()
+        slots = ctx.board.live()
+        slots[ctx.slot] = own
+        if min(slots) != ctx.slot or ctx.board.stopping:
+            return  # the lowest live slot speaks for the device
+        ctx.store.beat(ctx.config.device_key, self.device_payload(slots), keys.HEARTBEAT_TTL)
 
     def _run(self) -> None:
         while not self._stop.is_set():

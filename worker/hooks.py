@@ -50,6 +50,9 @@ class WorkerConfig:
     lora_dirs: list[str] = field(default_factory=list)  # besides each models dir's loras/
     upscaler_dirs: list[str] = field(default_factory=list)  # besides each one's upscalers/
     results: str = "redis"  # where images go (sdfarm.store.results)
+    engines: int = 1  # engine slots on the device: pool processes running jobs at once
+    slots_dir: str | None = None  # the slots' shared folder (sdfarm.worker.slots), N > 1
+    worker_id: str = field(default_factory=lambda: uuid.uuid4().hex)  # the parent's, per start
 
     @property
     def device_key(self) -> str:
@@ -93,10 +96,15 @@ class Context:
         from sdfarm.worker.engine_cache import EngineCache
         from sdfarm.worker.heartbeat import Heartbeat, cache_limits
         from sdfarm.worker.results import Uploader
+        from sdfarm.worker.slots import Peers, SlotBoard, slot_index
 
         self.config = config
         self.pid = os.getpid()
         self.incarnation = uuid.uuid4().hex
+        # N > 1 engine slots share the device (sdfarm.worker.slots): this process's slot,
+        # the folder the slots share, and what its cache sees of the others.
+        self.board = SlotBoard(config.slots_dir) if config.slots_dir else None
+        self.slot = slot_index() if self.board else 0
         self.worker_name = f"{config.celery_hostname or socket.gethostname()}:{self.pid}"
         # Writes of up to MAX_RESULT_BYTES need more than redis-py 8's default 5 s timeout.
         self.store = Store.connect(config.redis_url, health_check_interval=30, socket_timeout=60)
@@ -110,6 +118,8 @@ class Context:
             keep_alive=config.keep_alive,
             pinned=set(config.pins),
             overflow_bytes=overflow,
+            peers=Peers(self.board, self.slot) if self.board else None,
+            on_change=self.publish_slot if self.board else None,
         )
         self.uploader = Uploader(
             self.store, config.device_key, results=open_results(config.results, self.store)
@@ -126,6 +136,9 @@ class Context:
         self._janitor.daemon = True
 
     def start(self) -> None:
+        # Its file first: no claim of this process may come before the heartbeat that the
+        # scheduler checks claims against can list its incarnation.
+        self.publish_slot()
         self.uploader.start()
         self.heartbeat.start()
         self._janitor.start()
@@ -136,6 +149,8 @@ class Context:
         """Graceful end of this child: write every finished result, withdraw the heartbeat
         (the scheduler sees the device gone at once), free the engines."""
         self._stop.set()
+        if self.board is not None:
+            self.board.mark_stopping()
         self.uploader.flush(30.0)
         self.uploader.stop()
         self.heartbeat.stop(withdraw=True)
@@ -147,6 +162,17 @@ class Context:
             self.current_job = None
         elif job_id is not None:
             self.current_job = job_id
+        self.publish_slot()
+
+    def publish_slot(self) -> None:
+        """With N > 1 slots: this slot's file on the board (its engines, state, job), which
+        the other slots' caches and the device's heartbeat read."""
+        if self.board is None or not hasattr(self, "heartbeat"):
+            return
+        try:
+            self.heartbeat.publish()
+        except Exception as exc:  # noqa: BLE001 - the next beat writes it again
+            log.warning("slot %d: its file not written: %s", self.slot, exc)
 
     def _load_engine(self, name: str) -> Any:
         """EngineCache's loader: loads the model (or upscaler) the current job resolved
@@ -219,8 +245,17 @@ class Context:
         """Keep-alive expiry off the heartbeat thread: disposing waits for the runtime's lock,
         which a running generation holds, and a heartbeat must never wait that long."""
         period = max(0.5, min(5.0, self.config.keep_alive / 4))
-        while not self._stop.wait(period):
+        tick = 0.1 if self.board is not None else period  # other slots' evictions: at once
+        last = time.monotonic()
+        while not self._stop.wait(tick):
             try:
+                if self.board is not None:
+                    for name in self.cache.evict_requested(self.board.take_evictions(self.slot)):
+                        self.load_records.pop(name, None)
+                        log.info("slot %d: unloaded %s for another slot's load", self.slot, name)
+                if time.monotonic() - last < period:
+                    continue
+                last = time.monotonic()
                 for name in self.cache.expire():
                     self.load_records.pop(name, None)
                     log.info("unloaded %s after %.0f s idle", name, self.config.keep_alive)

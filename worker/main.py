@@ -3,8 +3,10 @@
 The parent process reads the host's figures in a subprocess (querying a GPU initialises its
 driver, which must never happen before a fork), resolves the device, pins the runtime to it
 through the environment (master-596 picks devices only from environment variables), then
-runs a Celery prefork pool of one process that consumes only this device's queue. Engines,
-the heartbeat and the uploader live in that pool process (sdfarm.worker.hooks).
+runs a Celery prefork pool that consumes only this device's queue: one process, or with
+`--engines N` N processes (engine slots) that run N jobs at once on the one device, sharing its
+figure (sdfarm.worker.slots). Engines, the heartbeat and the uploader live in the pool
+processes (sdfarm.worker.hooks).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from typing import Any
 
 from sdfarm.native.devices import Device, HostFigures, choose_compute_device
 from sdfarm.store import transport
+from sdfarm.worker.slots import ENGINES_ENV, auto_engines, parse_engines
 
 SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?B?)\s*$", re.IGNORECASE)
 
@@ -107,6 +110,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--threads", type=int, default=None, help="CPU threads per engine (default: all cores)"
     )
     parser.add_argument(
+        "--engines",
+        type=parse_engines,
+        default=os.environ.get(ENGINES_ENV) or "1",
+        metavar="N|auto",
+        help="engine slots on the device: N pool processes, each with its own engines, run N "
+        "jobs at once; every engine and running job counts against the device's one figure. "
+        "auto: 1 on the CPU, 2 on a discrete GPU (fewer when two engines of the largest model "
+        "do not fit) (default $SDFARM_ENGINES, else 1)",
+    )
+    parser.add_argument(
         "--backend",
         default=None,
         help="runtime build to use: cpu, vulkan, cuda, metal (default $SDFARM_BACKEND or cpu)",
@@ -171,7 +184,7 @@ def build_config(args: argparse.Namespace) -> Any:
     if not dirs:
         raise SystemExit("sdfarm worker: no models directory (--models DIR or $SDFARM_MODELS)")
     results = check_results(args.results)
-    return WorkerConfig(
+    config = WorkerConfig(
         redis_url=args.redis,
         host=host,
         device=device,
@@ -188,6 +201,32 @@ def build_config(args: argparse.Namespace) -> Any:
         celery_hostname=f"sdfarm.{device.name}@{host}",
         results=results,
     )
+    engines = args.engines if isinstance(args.engines, int) else parse_engines(args.engines)
+    if engines == "auto":
+        engines = auto_engines(device.type, cache_capacity(config), largest_model(config))
+    config.engines = int(engines)
+    return config
+
+
+def cache_capacity(config: Any) -> int:
+    from sdfarm.worker.heartbeat import cache_limits
+
+    return cache_limits(config)[0]
+
+
+def largest_model(config: Any) -> int:
+    """The largest resident estimate of the models this worker lists (0 when none loads):
+    what `--engines auto` must fit that many times."""
+    from sdfarm.native.catalog import Catalog
+    from sdfarm.native.estimate import model_facts
+
+    catalog, largest = Catalog(config.models), 0
+    for name in catalog.names():
+        try:
+            largest = max(largest, model_facts(catalog.load(name), config.device).resident())
+        except Exception:  # noqa: BLE001 - a broken model is the heartbeat's to report
+            continue
+    return largest
 
 
 def check_results(url: str) -> str:
@@ -216,6 +255,12 @@ def run(args: argparse.Namespace) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     config = build_config(args)
+    board = None
+    if config.engines > 1:
+        from sdfarm.worker.slots import SlotBoard
+
+        board = SlotBoard.create()
+        config.slots_dir = str(board.root)
     hooks.configure(config)
     transport.on_pool_process(hooks.on_process_init, hooks.on_process_shutdown)
     app = make_app(config.redis_url)
@@ -234,6 +279,7 @@ def run(args: argparse.Namespace) -> int:
         "results": config.results,
         "capacity": capacity,
         "overflow": overflow,
+        "engines": config.engines,
         "models": config.models,
         "pid": os.getpid(),
         "metrics_port": port or None,
@@ -247,7 +293,13 @@ def run(args: argparse.Namespace) -> int:
             f"sdfarm worker {config.device_key} ({config.device.type}) on queue {config.queue}",
             file=sys.stderr,
         )
-    return transport.run_worker(app, config.celery_hostname, config.queue)
+    try:
+        return transport.run_worker(
+            app, config.celery_hostname, config.queue, concurrency=config.engines
+        )
+    finally:
+        if board is not None:
+            board.remove()
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -74,11 +74,16 @@ def device_families(device: str, hb: dict[str, Any] | None) -> Iterator[Metric]:
     yield queue
     loaded = GaugeMetricFamily(
         "sdfarm_model_loaded_bytes",
-        "The estimate of each engine the device holds loaded, by model.",
+        "The estimates of the engines the device holds loaded, by model (with --engines N "
+        "a model may be loaded in several slots: their sum).",
         labels=["device", "model"],
     )
+    by_model: dict[str, float] = {}
     for engine in hb.get("loaded") or []:
-        loaded.add_metric([device, str(engine.get("name", ""))], float(engine.get("estimate") or 0))
+        name = str(engine.get("name", ""))
+        by_model[name] = by_model.get(name, 0.0) + float(engine.get("estimate") or 0)
+    for name, held in by_model.items():
+        loaded.add_metric([device, name], held)
     yield loaded
     models = GaugeMetricFamily(
         "sdfarm_device_models", "Models the device can load (its catalog).", labels=labels

@@ -18,8 +18,11 @@ MODELS = [f"m{i}" for i in range(6)]
 
 def random_device(rng: random.Random, i: int) -> DeviceState:
     capacity = rng.choice([4, 8, 16, 24]) * GiB
+    slots = rng.choice([1, 1, 2, 3])
     loaded, held = [], 0
-    for name in rng.sample(MODELS, rng.randint(0, 3)):
+    # With N slots a model may be loaded once per slot.
+    names = rng.sample(MODELS, rng.randint(0, 3)) if slots == 1 else rng.choices(MODELS[:3], k=3)
+    for name in names:
         est = rng.choice([1, 2, 3, 5]) * GiB
         if held + est > capacity:
             continue
@@ -44,10 +47,11 @@ def random_device(rng: random.Random, i: int) -> DeviceState:
         slow_figure=slow,
         capacity=capacity,
         loaded=tuple(sorted(loaded, key=lambda m: m.name)),
-        queued=rng.randint(0, 2),
-        backlog_limit=2,
+        queued=rng.randint(0, 2 + slots - 1),
+        backlog_limit=2 + slots - 1,
         alive=rng.random() < 0.9,
         accepting=rng.random() < 0.9,
+        slots=slots,
     )
 
 
