@@ -21,7 +21,9 @@
 # Carried: .whl/*.whl (our dependencies and pytest for python3.12), .carry/{redis-server,
 # stable_diffusion_cpp_python-0.4.7.tar.gz}; for the Vulkan stages also .gl/*.deb (Vulkan
 # loader + glvnd) and .carry/vulkan-runtime.tar.xz (each used only when present); and, once a
-# setup has built it, .carry/cuda-runtime.tar.xz (or its .part-NN pieces).
+# setup has built it, .carry/cuda-runtime.tar.xz (or its .part-NN pieces: 47 MB in 3). The
+# sdist (20.5 MB) is needed only to build: with the runtime's pieces, .whl and the tree there
+# is no room for it under the 64 MiB a call may carry, so carry one or the other.
 #
 # The machine keeps /tmp only while it stays warm (30 s after a call), so every phase makes
 # sure of what it needs: the CUDA runtime (from /tmp, else unpacked from .carry, else built:
