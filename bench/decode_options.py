@@ -3,7 +3,9 @@ its own sd-cli on one model: the default (full VAE, f16 weights as in the file, 
 convolution, untiled), the VAE's weights in f32 (and bf16) through the runtime's per-tensor
 type rules (`tensor_type_rules` of sd_ctx_params_t, sd-cli --tensor-type-rules
 '^first_stage_model\\.=f32'), VAE tiling (32x32 latent tiles, the runtime's overlap, as our
-engine tiles), direct convolution (vae_conv_direct) and TAESD as the decoder.
+engine tiles), direct convolution (vae_conv_direct) and TAESD as the decoder. (On master-596
+the type rules do not reach the VAE: Conv2d creates every convolution weight as F16, and the
+SD 2.x VAE is all convolutions; measured on the H200: identical pixels, docs/gpu.md.)
 
 Decode time: each case is one sd-cli process generating `--batch-count N` images of 1 step;
 the runtime decodes the N latents one after another and logs "latent i decoded, taking
