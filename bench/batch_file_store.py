@@ -57,6 +57,7 @@ def pool_pid(worker_pid: int) -> int | None:
     except psutil.NoSuchProcess:
         return None
     return kids[0].pid if kids else None
+    # With --engines N there are N pool processes: the figures are the first one's.
 
 
 def count_pngs(folder: Path) -> int:
@@ -83,6 +84,7 @@ def main() -> int:
     p.add_argument("--size", type=int, default=512)
     p.add_argument("--in-flight", type=int, default=None, help="the client's --in-flight")
     p.add_argument("--deadline", type=float, default=300.0)
+    p.add_argument("--engines", type=int, default=1, help="the worker's engine slots")
     p.add_argument("--every", type=float, default=0.5)
     p.add_argument("--log-dir", default=None)
     p.add_argument("--out", required=True)
@@ -127,6 +129,7 @@ def main() -> int:
         announce=False,
         log_dir=log_dir,
         results=f"file://{store_dir}",
+        engines=args.engines,
         ready_timeout=120,
     )
     local.start()

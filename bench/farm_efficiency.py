@@ -47,6 +47,19 @@ def dist(values: list[float]) -> dict[str, Any]:
     }
 
 
+def union(spans: list[tuple[float, float]]) -> float:
+    """Seconds covered by at least one span: the time some engine was inside the runtime.
+    With one engine it is the sum of its generations; with N slots the GPU is busy while any
+    of them generates, so one slot's claim and hand-off hide behind another's generation."""
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(spans):
+        if b <= end:
+            continue
+        total += b - max(a, end)
+        end = b
+    return total
+
+
 def analyse(rows: list[dict[str, Any]]) -> dict[str, Any]:
     rows = sorted(rows, key=lambda r: r["started"])
     for r in rows:
@@ -59,12 +72,15 @@ def analyse(rows: list[dict[str, Any]]) -> dict[str, Any]:
     pre = [r["worker_pre_s"] for r in rows]
     idle = [b["gen_start"] - a["gen_end"] for a, b in zip(rows, rows[1:], strict=False)]
     tail = rows[-1]["ended"] - rows[-1]["gen_end"]
+    busy = union([(r["gen_start"], r["gen_end"]) for r in rows])
     return {
         "jobs": len(rows),
         "generate_sum_s": round(sum(gen), 4),
         "generate": dist(gen),
         "worker_makespan_s": round(span, 4),
         "efficiency": round(sum(gen) / span, 4),
+        "gpu_busy_union_s": round(busy, 4),
+        "gpu_efficiency": round(busy / span, 4),
         "images_per_s": round(len(rows) / span, 3),
         "generate_span_s": round(gen_span, 4),
         "efficiency_first_to_last_generate": round(sum(gen) / gen_span, 4),
@@ -91,6 +107,7 @@ def main() -> int:
     p.add_argument("--size", type=int, default=512)
     p.add_argument("--deadline", type=float, default=150.0)
     p.add_argument("--log-dir", default=None)
+    p.add_argument("--engines", type=int, default=1, help="the worker's engine slots")
     p.add_argument("--out", required=True)
     args = p.parse_args()
     t0 = time.monotonic()
@@ -106,6 +123,7 @@ def main() -> int:
         "model": str(model),
         "device": args.device,
         "jobs_asked": args.jobs,
+        "engines": args.engines,
         "size": f"{args.size}x{args.size}",
         "steps": 1,
         "method": __doc__.split("\n\n")[1].replace("\n", " "),
@@ -124,6 +142,7 @@ def main() -> int:
         announce=False,
         log_dir=log_dir,
         worker_args=["--pin", name],
+        engines=args.engines,
         ready_timeout=120,
     )
     local.start()

@@ -197,16 +197,26 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=None, help="CPU threads per engine")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds a job may take")
     p.add_argument("--out", default=None, help="write the results as JSON here")
+    p.add_argument(
+        "--deadline", type=float, default=None,
+        help="seconds: no new N starts within 45 s of it (what finished is written after each N)",
+    )  # fmt: skip
     args = p.parse_args()
+    t0 = time.monotonic()
     counts = [int(x) for x in args.engines.split(",") if x.strip()]
     gpu = gpu_index(args.device)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         model = Path(args.model).resolve() if args.model else tiny_model(Path(tmp))
+        name = model.name if args.model else "tiny model"
         for n in counts:
+            if args.deadline is not None and time.monotonic() - t0 > args.deadline - 45:
+                print(f"--engines {n}: skipped (deadline)", file=sys.stderr, flush=True)
+                continue
             print(f"--engines {n}: {args.jobs} jobs on {args.device}", file=sys.stderr, flush=True)
             rows.append(one_n(args, model.parent, model.name, n, gpu))
-    name = model.name if args.model else "tiny model"
+            if args.out:
+                write(args, name, rows)
     gib = 2**30
     print(f"{name} on {args.device}, {args.size}x{args.size}, {args.steps} step(s), "
           f"{args.jobs} jobs per N")  # fmt: skip
@@ -219,20 +229,22 @@ def main() -> int:
             f"{r['most_at_once']:>8} {r['peak_mib']:>10.0f} {r['engines_in_heartbeat']:>8} "
             f"{r['accounted_bytes'] / gib:>14.2f} {r['capacity_bytes'] / gib:>13.2f}"
         )
-    if args.out:
-        doc = {
-            "bench": "farm_engines",
-            "device": args.device,
-            "model": name,
-            "size": args.size,
-            "steps": args.steps,
-            "host": platform.node(),
-            "cores": os.cpu_count(),
-            "results": rows,
-        }
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(doc, indent=2) + "\n")
     return 0
+
+
+def write(args: argparse.Namespace, name: str, rows: list[dict[str, Any]]) -> None:
+    doc = {
+        "bench": "farm_engines",
+        "device": args.device,
+        "model": name,
+        "size": args.size,
+        "steps": args.steps,
+        "host": platform.node(),
+        "cores": os.cpu_count(),
+        "results": rows,
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(doc, indent=2) + "\n")
 
 
 if __name__ == "__main__":

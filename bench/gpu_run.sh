@@ -15,6 +15,8 @@
 #   bash bench/gpu_run.sh tiling    # VAE tiling table; 4096x4096 under a figure refusing it untiled
 #   bash bench/gpu_run.sh peer      # engines per GPU; the diffusers peer, eager and compiled
 #   bash bench/gpu_run.sh tilingpeer # both in one call
+#   bash bench/gpu_run.sh decodefarm # size limit, decode options, efficiency, 5,000-job batch
+#   bash bench/gpu_run.sh lanes     # engine slots: batch, images/s per N, GPU busy fraction
 #   bash bench/gpu_run.sh decodefarm # CUDA size limit (#12), VAE decode options and 500-job
 #                                    # GPU efficiency (#15), 5,000-job file-store batch (#14)
 #
@@ -396,11 +398,37 @@ decodefarm() {
     nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader || true
 }
 
+# Issues #14 and #15 with engine slots (sdfarm worker --engines N): the 5,000-job file-store
+# batch (tiny model, 4 slots), the farm's images/s per N (full-size model; 512 and 1024, 1 and
+# 4 steps), and the GPU's busy fraction over 500 jobs with 2 slots (the union of the slots'
+# generations over the worker's makespan). DRY=1 runs it small on a CPU.
+lanes() {
+    ensure
+    mkdir -p "$OUT/cuda"
+    local dev=CUDA0 bj=5000 sz=512 big=1024 ej=500 n1=40 n2=16 n4=30
+    if [ "${DRY:-0}" = 1 ]; then dev=CPU bj=60 sz=64 big=128 ej=6 n1=4 n2=2 n4=2; fi
+    stage 220 batch-file bench/batch_file_store.py --device "$dev" --jobs "$bj" --size "$sz" \
+        --engines 4 --log-dir "$FARM_LOGS/batch" --out "$OUT/cuda/cuda-batch-5000-file-4slots.json"
+    stage 80 engines-512 bench/farm_engines.py --device "$dev" --model "$MODEL" \
+        --engines 1,2,4 --jobs "$n1" --size "$sz" --steps 1 --timeout 120 \
+        --out "$OUT/cuda/cuda-farm-engines-512.json"
+    stage 80 efficiency-2 bench/farm_efficiency.py --model "$MODEL" --device "$dev" \
+        --jobs "$ej" --size "$sz" --engines 2 --log-dir "$FARM_LOGS/eff2" \
+        --out "$OUT/cuda/cuda-efficiency-500-2slots.json"
+    stage 50 engines-1024 bench/farm_engines.py --device "$dev" --model "$MODEL" \
+        --engines 1,2 --jobs "$n2" --size "$big" --steps 1 --timeout 120 \
+        --out "$OUT/cuda/cuda-farm-engines-1024.json"
+    stage 50 engines-512-4steps bench/farm_engines.py --device "$dev" --model "$MODEL" \
+        --engines 1,2 --jobs "$n4" --size "$sz" --steps 4 --timeout 120 \
+        --out "$OUT/cuda/cuda-farm-engines-512-4steps.json"
+    nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader || true
+}
+
 case "$PHASE" in
     setup | bench1 | bench2) ;;
     cuda_recheck | cudafarm | overhead | speedbatch | gputests | cpu1024 | twogpu) ;;
-    features | tiling | peer | tilingpeer | decodefarm) ;;
-    *) echo "usage: bash bench/gpu_run.sh setup|bench1|bench2|cuda_recheck|cudafarm|overhead|speedbatch|gputests|cpu1024|twogpu|features|tiling|peer|tilingpeer|decodefarm" >&2; exit 2 ;;
+    features | tiling | peer | tilingpeer | decodefarm | lanes) ;;
+    *) echo "usage: bash bench/gpu_run.sh setup|bench1|bench2|cuda_recheck|cudafarm|overhead|speedbatch|gputests|cpu1024|twogpu|features|tiling|peer|tilingpeer|decodefarm|lanes" >&2; exit 2 ;;
 esac
 set -o pipefail
 mkdir -p "$OUT"
