@@ -20,6 +20,7 @@ from typing import Any
 from PIL import Image
 
 from sdfarm.native import images, logs, memory
+from sdfarm.native.cudalimits import cuda_size_error
 from sdfarm.native.devices import (
     Device,
     HostFigures,
@@ -183,6 +184,7 @@ class Engine:
         self._pending.append(self._engine_record("info", f"fit plan: {self.fit.summary()}"))
         self._env_device(compute, figs, pinned)
         self.capabilities_device = compute.name
+        self.architecture = self.model.architecture  # for the sizes CUDA cannot draw (cudalimits)
 
         started = time.monotonic()
         with Engine._native_lock:
@@ -505,6 +507,9 @@ class Engine:
                 f"model {self.model.name!r} cannot encode an image (img2img, inpainting): its "
                 "VAE or TAESD has no encoder, only a decoder",
             )
+        for w, h in {(params.width, params.height), params.final_size}:
+            if why := cuda_size_error(self.architecture, self.capabilities_device, w, h):
+                raise InvalidParameterError("width", why)
         files = loras or {}
         missing = [name for name, _ in params.loras if name not in files]
         if missing:

@@ -30,6 +30,7 @@ from .roles import (
     UPSCALER,
     detect_role,
     detect_role_with_evidence,
+    guess_architecture,
     native_size_for,
     split_checkpoint,
 )
@@ -61,6 +62,13 @@ class Model:
     files: dict[str, ModelFile]
     native_size: tuple[int, int] = DEFAULT_NATIVE_SIZE
     directory: Path | None = None
+
+    @property
+    def architecture(self) -> str:
+        """The diffusion model's coarse architecture (roles.guess_architecture): sd1, sd2,
+        sdxl, mmdit, flux, dit or unknown."""
+        main = self.files.get("diffusion_model") or self.files.get("checkpoint")
+        return guess_architecture(main.header) if main is not None else "unknown"
 
     @property
     def total_bytes(self) -> int:

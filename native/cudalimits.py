@@ -1,0 +1,43 @@
+"""Sizes the CUDA build of the pinned runtime cannot draw with a given architecture: refused
+before the native call, since the runtime aborts the whole process on them (docs/crashers.md).
+
+Measured on the H200 (bench/cuda_size_limit.py, bench/results/gpu/cuda-size-limit.json): the
+SD 2.x UNet with flash attention (which the engine always sets) draws 1024, 1280, 1536 and
+1792 square and aborts at 2048 (`ggml_cuda_compute_forward: CONCAT failed`, `CUDA error:
+invalid argument`, SIGABRT); without flash attention 2048 passes. The cause, read in the
+source: the UNet's cross-attention pads the 77 text tokens to 256 with a mask of one row per
+image token of the first level ((w/8) x (h/8); ggml_extend.hpp), and ggml's CUDA concat puts
+that row count in a grid dimension that CUDA caps at 65,535 (concat.cu). 2048x2048 is 65,536
+rows. The rule covers the UNets (SD 1.x, 2.x, XL), whose cross-attention always pads; a DiT's
+joint attention pads only when its token count is not a multiple of 256 and was not measured.
+"""
+
+from __future__ import annotations
+
+import math
+
+GRID_ROWS = 65_535
+"""CUDA's limit on a grid's y and z dimensions, where ggml's concat puts the mask's rows."""
+
+UNET_ARCHITECTURES = frozenset({"sd1", "sd2", "sdxl"})
+
+
+def attention_rows(width: int, height: int) -> int:
+    """The query rows of a UNet's first-level attention: one per latent pixel (the VAE
+    downsamples by 8; the runtime rounds sizes up)."""
+    return math.ceil(width / 8) * math.ceil(height / 8)
+
+
+def cuda_size_error(architecture: str, device: str, width: int, height: int) -> str | None:
+    """Why `width` x `height` cannot run on `device` with this architecture, or None."""
+    if not device.startswith("CUDA") or architecture not in UNET_ARCHITECTURES:
+        return None
+    rows = attention_rows(width, height)
+    if rows <= GRID_ROWS:
+        return None
+    return (
+        f"{width}x{height} is {rows:,} attention rows ((width/8) x (height/8)) for this "
+        f"{architecture} UNet, over the {GRID_ROWS:,} the runtime's CUDA build can take: it "
+        "aborts the process there (docs/crashers.md). Ask at most 65,535 rows (2040x2040 "
+        "square, or 1792x2304), or run the job on a CPU or Vulkan device"
+    )
