@@ -114,7 +114,7 @@ class AsyncStore:
         pipe.hmget(keys.job_key(job_id), ["state", "placed", "deadline"])
         pipe.time()
         (state, placed, deadline), (sec, usec) = await pipe.execute()
-        return decode(state), _float(placed), _float(deadline), sec + usec / 1e6
+        return decode(state), float_or_none(placed), float_or_none(deadline), sec + usec / 1e6
 
     async def ended(self, job_id: str) -> JobResult:
         """The record and the result of a job, read together (one round trip)."""
@@ -137,7 +137,7 @@ class AsyncStore:
         return dict(await self.r.info("memory"))
 
 
-def _float(value: bytes | None) -> float | None:
+def float_or_none(value: bytes | None) -> float | None:
     try:
         return float(value) if value else None
     except ValueError:
