@@ -106,6 +106,10 @@ def cmd_make_test_model(args: argparse.Namespace) -> int:
     from sdfarm.native.testmodel import make_test_model
 
     dirs = make_test_model(Path(args.dir))
+    if args.video:
+        from sdfarm.native.wantestmodel import make_wan_test_model
+
+        dirs.append(make_wan_test_model(Path(args.dir)))
     if args.json:
         emit({"models": [str(d) for d in dirs]})
     else:
@@ -190,6 +194,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     m = sub.add_parser("make-test-model", help="write the tiny random-weight test model")
     m.add_argument("dir")
+    m.add_argument(
+        "--video",
+        action="store_true",
+        help="also the random-weight Wan2.1 T2V 1.3B video model (wan-t2v-test, about 1 GB)",
+    )
     m.add_argument("--json", action="store_true")
     m.set_defaults(func=cmd_make_test_model)
 
@@ -209,6 +218,9 @@ def build_parser() -> argparse.ArgumentParser:
     from sdfarm.cli.upscale import add_upscale_command
 
     add_upscale_command(sub)
+    from sdfarm.cli.video import add_video_command
+
+    add_video_command(sub)
     return p
 
 
