@@ -36,6 +36,13 @@ since a model's facts do not say which its VAE has (cautious by 4x in area for S
 and the tiny model, whose VAEs scale by 8)."""
 
 
+VIDEO_CHUNK_BYTES_PER_PIXEL = 48 * 1024
+"""The Wan VAE's working memory per frame pixel while it decodes one latent frame into four
+frames (bench/video_memory.py on the CPU; see ModelFacts.video_estimate)."""
+VIDEO_FRAME_BYTES_PER_PIXEL = 1024
+"""What every frame adds per pixel (bench/video_memory.py on the CPU)."""
+
+
 @dataclass(frozen=True)
 class ModelFacts:
     """What a model's estimate needs: its files' total bytes, its native size and what this
@@ -76,6 +83,22 @@ class ModelFacts:
             int(height),
             nw * nh,
             decode_per_pixel=per_pixel,
+        )
+
+    def video_estimate(self, width: int, height: int, frames: int, encodes: bool = False) -> int:
+        """The peak memory estimate of a video job (sdfarm.native.video): what the engine
+        holds at its native size, plus the Wan VAE's decode of one chunk of frames (it
+        decodes a latent frame at a time, four frames a chunk: per frame pixel, not per
+        video pixel), plus what grows with every frame (the latent video, the decoded
+        frames as floats and 8-bit, the frames' images and the WebP encoder's copies). An
+        input image is encoded by the same VAE first (its encoder's working memory, counted
+        like a chunk). Measured on the CPU by bench/video_memory.py."""
+        pixels = int(width) * int(height)
+        chunks = 2 if encodes else 1
+        return (
+            self.resident()
+            + pixels * VIDEO_CHUNK_BYTES_PER_PIXEL * chunks
+            + pixels * int(frames) * VIDEO_FRAME_BYTES_PER_PIXEL
         )
 
     def resident(self) -> int:
@@ -246,10 +269,14 @@ def job_estimate(
     extra_bytes: int = 0,
     tile_size: int = 0,
     tiled: bool = False,
+    frames: int = 0,
 ) -> int:
     """A job's estimate from its engine's facts: a generation's size (and input image and
-    LoRA files; `tiled`: its VAE decoding in tiles), or an upscale's input size and tile size.
-    What the scheduler places by."""
+    LoRA files; `tiled`: its VAE decoding in tiles), or an upscale's input size and tile size,
+    or a video's frame size and `frames` (a video is never tiled). What the scheduler places
+    by."""
     if isinstance(facts, UpscalerFacts):
         return facts.estimate(width, height, tile_size)
+    if frames:
+        return facts.video_estimate(width, height, frames, encodes)
     return facts.estimate(width, height, encodes, extra_bytes, tiled=tiled)
