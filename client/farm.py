@@ -29,7 +29,7 @@ from sdfarm.client.errors import (
     UnknownModelError,
 )
 from sdfarm.client.job import DEADLINE_GRACE_S, WAIT_SLICE_S, Job, Result
-from sdfarm.native import upscale_params
+from sdfarm.native import upscale_params, video_params
 from sdfarm.native.errors import InvalidParameterError
 from sdfarm.native.estimate import UpscalerFacts
 from sdfarm.native.params import (
@@ -253,6 +253,31 @@ class Farm:
             model=upscaler_key(params.upscaler), params=doc, kind="upscale", owner=owner,
             **asdict(opts),
         )  # fmt: skip
+        spec = replace(spec, submitter=opts.submitter or self.submitter)
+        return self.submit_spec(spec, inputs, quota)
+
+    def video(
+        self,
+        model: str,
+        prompt: str,
+        *,
+        owner: str = "",
+        quota: int = 0,
+        **fields: Any,
+    ) -> Job:
+        """Queue one video of `model` (a Wan model) from `prompt`; the job's result is the
+        frames as PNGs then an animated WebP (`Result.frames`, `Result.webp`). `fields` are
+        the other video parameters (sdfarm.native.video_params: width, height, frames (4k+1),
+        fps, steps, seed, cfg_scale, sampler, scheduler, init_image, end_image as bytes or a
+        path) and the job options; `owner` and `quota` as `submit`'s. InvalidParameterError
+        before anything is queued; whether the model makes video (and reads the images given)
+        the worker checks before any native call."""
+        options = {k: fields.pop(k) for k in OPTION_NAMES if k in fields}
+        values = video_params.read_image_files({"prompt": prompt, **fields})
+        params = video_params.validate(video_params.from_mapping(values))
+        opts = check_options(JobOptions(**options))
+        doc, inputs = video_params.detach(params)
+        spec = JobSpec(model=model, params=doc, kind="video", owner=owner, **asdict(opts))
         spec = replace(spec, submitter=opts.submitter or self.submitter)
         return self.submit_spec(spec, inputs, quota)
 
