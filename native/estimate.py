@@ -51,6 +51,9 @@ class ModelFacts:
     bytes: int
     native_size: tuple[int, int]
     decode_per_pixel: int = 0
+    video: str = ""
+    """The video model it is, as the runtime names it (e.g. "Wan2.1-T2V-1.3B"; "": an image
+    model): so a client refuses an image job for a video model, and the reverse, at submit."""
 
     def estimate(
         self,
@@ -106,18 +109,27 @@ class ModelFacts:
         return self.estimate(*self.native_size)
 
     def as_json(self) -> dict[str, Any]:
-        """The heartbeat's form: {bytes, native_size: [w, h], decode_per_pixel}."""
-        return {
+        """The heartbeat's form: {bytes, native_size: [w, h], decode_per_pixel}, and `video`
+        for a video model."""
+        doc: dict[str, Any] = {
             "bytes": self.bytes,
             "native_size": list(self.native_size),
             "decode_per_pixel": self.decode_per_pixel,
         }
+        if self.video:
+            doc["video"] = self.video
+        return doc
 
     @classmethod
     def from_json(cls, doc: Mapping[str, Any]) -> ModelFacts:
         """The facts of a heartbeat's `models` entry (ValueError when malformed)."""
         w, h = doc["native_size"]
-        return cls(int(doc["bytes"]), (int(w), int(h)), int(doc.get("decode_per_pixel") or 0))
+        return cls(
+            int(doc["bytes"]),
+            (int(w), int(h)),
+            int(doc.get("decode_per_pixel") or 0),
+            str(doc.get("video") or ""),
+        )
 
     @classmethod
     def cautious(cls, facts: list[ModelFacts]) -> ModelFacts:
@@ -125,13 +137,22 @@ class ModelFacts:
         decode paths differ give the largest file size and decode term and the smallest
         native size, so one estimate per job covers every device that may get it."""
         native = min((f.native_size for f in facts), key=lambda s: s[0] * s[1])
-        return cls(max(f.bytes for f in facts), native, max(f.decode_per_pixel for f in facts))
+        video = max(f.video for f in facts)  # copies of one name should agree
+        return cls(
+            max(f.bytes for f in facts), native, max(f.decode_per_pixel for f in facts), video
+        )
 
 
 def model_facts(model: Any, device: Device) -> ModelFacts:
     """The facts of a loaded or loadable `Model` (sdfarm.native.model) on `device`."""
+    from sdfarm.native.video import video_model
+
+    found = video_model(model)
     return ModelFacts(
-        model.total_bytes, tuple(model.native_size), decode_bytes_per_pixel(model.files, device)
+        model.total_bytes,
+        tuple(model.native_size),
+        decode_bytes_per_pixel(model.files, device),
+        found.desc if found else "",
     )
 
 

@@ -174,12 +174,15 @@ def video_model(model: Model) -> VideoModel | None:
     """The video model `model` is (its diffusion model's or checkpoint's reading), or None for
     an image model."""
     main = model.files.get("diffusion_model") or model.files.get("checkpoint")
-    if main is None:
+    header = getattr(main, "header", None)
+    if not isinstance(header, FileHeader):
         return None
     text = "t5xxl" in model.files or any(
-        n.startswith("text_encoders.t5xxl.") for f in model.files.values() for n in f.header.tensors
+        n.startswith("text_encoders.t5xxl.")
+        for f in model.files.values()
+        for n in getattr(getattr(f, "header", None), "tensors", ())
     )
-    return describe(main.header, text)
+    return describe(header, text)
 
 
 def require_video_model(model: Model) -> VideoModel:

@@ -1,7 +1,8 @@
 """Video jobs on a real LocalFarm (one CPU worker, the random-weight Wan2.1 T2V test model beside
 the tiny image models): the result is the frames as PNGs then the animated WebP, placed by the
-video estimate; the same seed through the gateway gives the same frames; bad input is refused
-at submit, and a job that slips past the client is refused by the worker before any native
+video estimate; the same seed through the gateway gives the same frames; bad input (an image
+model asked for video, a video model for an image) is refused at submit, and a job that
+slips past the client is refused by the worker before any native
 call, the worker going on; a Wan model the runtime would abort on is reported bad and never
 loaded. `sdfarm video` reaches the same farm."""
 
@@ -25,6 +26,7 @@ from sdfarm.client.farm import Farm
 from sdfarm.native import video_params
 from sdfarm.native.errors import InvalidParameterError
 from sdfarm.native.estimate import ModelFacts
+from sdfarm.native.params import GenerationParams, detach_images, validate
 from sdfarm.native.png import read_params
 from sdfarm.store import JobSpec
 
@@ -121,6 +123,12 @@ def test_bad_input_is_refused_at_submit(client: Farm) -> None:
         assert err.value.parameter == name
     with pytest.raises(InvalidParameterError):
         client.video(WAN, "x", **{**SMALL, "frames": 165})
+    with pytest.raises(InvalidParameterError, match="not a video model") as err:
+        client.video("tiny-f16", "x", **SMALL)
+    assert err.value.parameter == "model"
+    with pytest.raises(InvalidParameterError, match="is a video model") as err:
+        client.submit(WAN, "x", width=64, height=64, steps=1)
+    assert err.value.parameter == "model"
     with pytest.raises(UnknownModelError):  # the worker reports it bad, never loads it
         client.video("wan-31", "x", **SMALL)
     hb = next(iter(client._heartbeats(fresh=True).values()))
@@ -144,9 +152,9 @@ def test_a_job_past_the_client_is_refused_by_the_worker_which_survives(client: F
         with pytest.raises(JobFailed, match=error):
             client.submit_spec(spec, images).result(120)
     # an image job for the video model: refused before its engine loads
-    image = client.submit(WAN, "x", width=64, height=64, steps=1)
+    image, _ = detach_images(validate(GenerationParams("x", width=64, height=64, steps=1)))
     with pytest.raises(JobFailed, match="is a video model"):
-        image.result(120)
+        client.submit_spec(JobSpec(model=WAN, params=image)).result(120)
     # the same worker goes on: an image job, then a video
     done = client.submit("tiny-f16", "a cat", width=64, height=64, steps=1, seed=1).result(120)
     assert Image.open(io.BytesIO(done.png)).size == (64, 64)

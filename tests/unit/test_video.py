@@ -193,3 +193,11 @@ def test_a_video_result_splits_into_frames_and_the_webp() -> None:
     assert result.frames == [b"png0", b"png1"] and result.webp == b"RIFFwebp"
     image = Result("j", [b"png0", b"png1"], {"seeds": [1, 2]})
     assert image.webp is None and image.frames == [b"png0", b"png1"]
+
+
+def test_a_video_model_s_facts_say_so_through_the_heartbeat() -> None:
+    facts = ModelFacts(1 << 30, (64, 64), 0, "Wan2.1-T2V-1.3B")
+    assert ModelFacts.from_json(facts.as_json()) == facts
+    image = ModelFacts(1 << 30, (64, 64))
+    assert "video" not in image.as_json() and ModelFacts.from_json(image.as_json()) == image
+    assert ModelFacts.cautious([facts, facts]).video == "Wan2.1-T2V-1.3B"
