@@ -107,9 +107,9 @@ def cmd_make_test_model(args: argparse.Namespace) -> int:
 
     dirs = make_test_model(Path(args.dir))
     if args.video:
-        from sdfarm.native.wantestmodel import make_wan_test_model
+        from sdfarm.native.wantestmodel import VARIANTS, make_wan_test_model
 
-        dirs.append(make_wan_test_model(Path(args.dir)))
+        dirs += [make_wan_test_model(Path(args.dir), name) for name in VARIANTS]
     if args.json:
         emit({"models": [str(d) for d in dirs]})
     else:
@@ -197,7 +197,8 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument(
         "--video",
         action="store_true",
-        help="also the random-weight Wan2.1 T2V 1.3B video model (wan-t2v-test, about 1 GB)",
+        help="also the random-weight Wan2.1 video models wan-t2v-test and wan-vace-test "
+        "(about 1.9 GB)",
     )
     m.add_argument("--json", action="store_true")
     m.set_defaults(func=cmd_make_test_model)

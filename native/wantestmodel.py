@@ -14,6 +14,8 @@ load, so the video tests use one of the real architecture, kept small:
   N(0, 1/fan_in).
 - no text encoder: the runtime's Wan conditioner runs without umT5-XXL (4.6 B parameters, fixed)
   and conditions on zeros, so the prompt is ignored (the job's warnings say so).
+- `wan-vace-test`: the same DiT plus one VACE block and the VACE patch embedding: the runtime
+  reads it as Wan2.1-VACE-1.3B, which takes an init image (its reference image).
 
 Deterministic (each tensor from its own seeded generator): the same bytes on every run.
 `cached_wan_test_model()` writes it once under the runtime's cache folder, keyed by this
@@ -22,6 +24,7 @@ generator's version, so tests and CI pay the write once.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import zlib
@@ -46,31 +49,29 @@ TEXT_DIM = 4096
 IN_DIM = 16
 OUT_DIM = 16
 PATCH = (1, 2, 2)
+VACE_IN_DIM = 96
+VACE_NAME = "wan-vace-test"
+VACE_LAYERS = 1
+"""The VACE test model's VACE blocks: the real VACE 1.3B has 15 (one every second layer); the
+runtime maps any count evenly over the 30 layers, and one keeps the file small."""
 
 Q4_0_BLOCK = 32
 Q4_0_BYTES = 18  # f16 scale + 16 bytes of 4-bit values
 Q4_0_SPREAD = 4.61  # standard deviation of (q - 8) for q uniform on 0..15
 
 
-def dit_specs(layers: int = LAYERS) -> dict[str, tuple[tuple[int, ...], str]]:
+def dit_specs(layers: int = LAYERS, vace_layers: int = 0) -> dict[str, tuple[tuple[int, ...], str]]:
     """{name: (PyTorch shape, kind)} of the T2V DiT, names as in the original file (the runtime
-    prefixes `model.diffusion_model.`). kind: "linear" (q4_0), "conv" (f16), "f32"."""
+    prefixes `model.diffusion_model.`). kind: "linear" (q4_0), "conv" (f16), "f32".
+    `vace_layers` > 0 adds that many VACE blocks and the VACE patch embedding (a VACE model,
+    which reads a reference image; the real VACE 1.3B has 15, the runtime takes any count)."""
     out: dict[str, tuple[tuple[int, ...], str]] = {}
 
     def linear(name: str, fin: int, fout: int) -> None:
         out[f"{name}.weight"] = ((fout, fin), "linear")
         out[f"{name}.bias"] = ((fout,), "f32")
 
-    # The runtime's Conv3d weight is 4-D [kw, kh, kd, in*out]; GGUF holds at most 4 dims.
-    out["patch_embedding.weight"] = ((DIM * IN_DIM, *PATCH), "conv")
-    out["patch_embedding.bias"] = ((DIM,), "f32")
-    linear("text_embedding.0", TEXT_DIM, DIM)
-    linear("text_embedding.2", DIM, DIM)
-    linear("time_embedding.0", FREQ_DIM, DIM)
-    linear("time_embedding.2", DIM, DIM)
-    linear("time_projection.1", DIM, DIM * 6)
-    for i in range(layers):
-        b = f"blocks.{i}"
+    def block(b: str) -> None:
         out[f"{b}.modulation"] = ((1, 6, DIM), "f32")
         for attn in ("self_attn", "cross_attn"):
             for p in ("q", "k", "v", "o"):
@@ -81,8 +82,27 @@ def dit_specs(layers: int = LAYERS) -> dict[str, tuple[tuple[int, ...], str]]:
         out[f"{b}.norm3.bias"] = ((DIM,), "f32")
         linear(f"{b}.ffn.0", DIM, FFN_DIM)
         linear(f"{b}.ffn.2", FFN_DIM, DIM)
+
+    # The runtime's Conv3d weight is 4-D [kw, kh, kd, in*out]; GGUF holds at most 4 dims.
+    out["patch_embedding.weight"] = ((DIM * IN_DIM, *PATCH), "conv")
+    out["patch_embedding.bias"] = ((DIM,), "f32")
+    linear("text_embedding.0", TEXT_DIM, DIM)
+    linear("text_embedding.2", DIM, DIM)
+    linear("time_embedding.0", FREQ_DIM, DIM)
+    linear("time_embedding.2", DIM, DIM)
+    linear("time_projection.1", DIM, DIM * 6)
+    for i in range(layers):
+        block(f"blocks.{i}")
     out["head.modulation"] = ((1, 2, DIM), "f32")
     linear("head.head", DIM, OUT_DIM * PATCH[0] * PATCH[1] * PATCH[2])
+    for i in range(vace_layers):
+        block(f"vace_blocks.{i}")
+        if i == 0:
+            linear(f"vace_blocks.{i}.before_proj", DIM, DIM)
+        linear(f"vace_blocks.{i}.after_proj", DIM, DIM)
+    if vace_layers:
+        out["vace_patch_embedding.weight"] = ((DIM * VACE_IN_DIM, *PATCH), "conv")
+        out["vace_patch_embedding.bias"] = ((DIM,), "f32")
     return out
 
 
@@ -192,11 +212,11 @@ def _q4_0_weight(name: str, shape: tuple[int, int]) -> np.ndarray:
     return data.reshape(rows, cols // Q4_0_BLOCK * Q4_0_BYTES)
 
 
-def _dit_tensors(layers: int) -> Iterator[tuple[str, np.ndarray, object]]:
+def _dit_tensors(layers: int, vace_layers: int = 0) -> Iterator[tuple[str, np.ndarray, object]]:
     import gguf
 
     q4_0 = gguf.GGMLQuantizationType.Q4_0
-    for name, (shape, kind) in dit_specs(layers).items():
+    for name, (shape, kind) in dit_specs(layers, vace_layers).items():
         if kind == "linear":
             yield name, _q4_0_weight(name, shape), q4_0  # type: ignore[arg-type]
         elif kind == "conv":
@@ -205,7 +225,7 @@ def _dit_tensors(layers: int) -> Iterator[tuple[str, np.ndarray, object]]:
             yield name, _float_weight("dit", name, shape), None
 
 
-def write_dit(path: Path, layers: int = LAYERS) -> None:
+def write_dit(path: Path, layers: int = LAYERS, vace_layers: int = 0) -> None:
     """The DiT as GGUF, streamed tensor by tensor (peak memory: the largest tensor)."""
     import gguf
 
@@ -213,12 +233,12 @@ def write_dit(path: Path, layers: int = LAYERS) -> None:
     try:
         writer = gguf.GGUFWriter(str(tmp), arch="sdfarm-wan-test")
         writer.add_name(f"sdfarm random-weight Wan2.1 T2V test model, seed {SEED}")
-        for name, arr, raw in _dit_tensors(layers):  # shapes first (cheap for q4_0: bytes)
+        for name, arr, raw in _dit_tensors(layers, vace_layers):  # shapes first
             writer.add_tensor_info(name, arr.shape, arr.dtype, arr.nbytes, raw_dtype=raw)  # type: ignore[arg-type]
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
-        for _name, arr, _raw in _dit_tensors(layers):
+        for _name, arr, _raw in _dit_tensors(layers, vace_layers):
             writer.write_tensor_data(arr)
         writer.close()
         os.chmod(tmp, 0o644)
@@ -245,13 +265,25 @@ def write_vae(path: Path) -> None:
             tmp.unlink()
 
 
-def make_wan_test_model(out_dir: str | os.PathLike[str], layers: int = LAYERS) -> Path:
-    """Write `out_dir/wan-t2v-test/` (dit.gguf, vae.safetensors, model.json) and return it.
-    `layers` other than 30 writes a model the runtime would abort on (for our refusal tests)."""
-    folder = Path(out_dir) / (NAME if layers == LAYERS else f"{NAME}-{layers}-layers")
+VARIANTS: dict[str, int] = {NAME: 0, VACE_NAME: VACE_LAYERS}
+"""The test models: folder name -> VACE blocks (0: text-to-video)."""
+
+
+def make_wan_test_model(out_dir: str | os.PathLike[str], name: str = NAME) -> Path:
+    """Write `out_dir/NAME/` (dit.gguf, vae.safetensors, model.json) for a name of VARIANTS
+    and return it. The VAE is the same file for every variant: hard-linked from a sibling
+    variant's folder when one has it."""
+    folder = Path(out_dir) / name
     folder.mkdir(parents=True, exist_ok=True)
-    write_dit(folder / DIT_FILE, layers)
-    write_vae(folder / VAE_FILE)
+    write_dit(folder / DIT_FILE, LAYERS, VARIANTS[name])
+    vae = folder / VAE_FILE
+    siblings = [Path(out_dir) / n / VAE_FILE for n in VARIANTS if n != name]
+    for sibling in siblings:
+        if sibling.exists() and not vae.exists():
+            with contextlib.suppress(OSError):  # another filesystem: written below
+                os.link(sibling, vae)
+    if not vae.exists():
+        write_vae(vae)
     manifest = {
         "files": {"diffusion_model": DIT_FILE, "vae": VAE_FILE},
         "native_size": list(NATIVE_SIZE),
@@ -266,13 +298,14 @@ def cache_dir() -> Path:
     return cache_root() / "testmodels" / f"wan-v{VERSION}-{SEED}"
 
 
-def cached_wan_test_model() -> Path:
-    """The test model's folder under the runtime's cache, written on first use (about 0.8 GB;
-    a second writer racing the first replaces whole files, never half ones)."""
+def cached_wan_test_model(name: str = NAME) -> Path:
+    """Test model `name`'s folder under the runtime's cache, written on first use (about
+    1 GB for the first, 0.8 GB more for the VACE one, which shares the VAE; a second writer
+    racing the first replaces whole files, never half ones)."""
     root = cache_dir()
-    folder = root / NAME
-    done = root / ".complete"
+    folder = root / name
+    done = root / f".complete-{name}"
     if not done.exists():
-        make_wan_test_model(root)
+        make_wan_test_model(root, name)
         done.write_text(VERSION + "\n", encoding="utf-8")
     return folder

@@ -60,3 +60,12 @@ def wan_model() -> Path:
     from sdfarm.native.wantestmodel import cached_wan_test_model
 
     return cached_wan_test_model()
+
+
+@pytest.fixture(scope="session")
+def vace_model(wan_model: Path) -> Path:
+    """The VACE variant of the Wan test model (one VACE block: it reads an init image as its
+    reference), beside it in the cache (0.8 GB more, the VAE shared)."""
+    from sdfarm.native.wantestmodel import VACE_NAME, cached_wan_test_model
+
+    return cached_wan_test_model(VACE_NAME)

@@ -1,6 +1,7 @@
 """Video on the real runtime, in-process, with the random-weight Wan2.1 T2V 1.3B test model:
 the frames are as many and as large as asked and the animated WebP holds them all; the same
-seed gives the same pixels in another process, another seed other pixels; the prompt does
+seed gives the same pixels in another process, another seed other pixels, and with the VACE
+variant another init image other pixels; the prompt does
 nothing without a text encoder (the result says so); and everything the runtime would abort
 on or silently change is refused before any native call, the engine usable after."""
 
@@ -119,3 +120,24 @@ def test_a_wan_layer_count_the_runtime_aborts_on_never_loads(tmp_path: Path) -> 
     bad = fake_wan(tmp_path / "wan-31", 31)
     with pytest.raises(ModelLoadError, match="31 layers"):
         Engine.load(bad, device="cpu")  # the runtime would GGML_ABORT: this process lives on
+
+
+def test_an_init_image_steers_a_vace_model(vace_model: Path) -> None:
+    def png(seed: int) -> bytes:
+        import numpy as np
+
+        buf = io.BytesIO()
+        pixels = np.random.default_rng(seed).integers(0, 255, (32, 48, 3), dtype=np.uint8)
+        Image.fromarray(pixels).save(buf, "PNG")
+        return buf.getvalue()
+
+    with Engine.load(vace_model, device="cpu", threads=2) as vace:
+        a = vace.video(prompt="x", seed=3, init_image=png(1), **SMALL)
+        assert a.metadata["video_model"] == "Wan2.1-VACE-1.3B"
+        assert len(a.frames) == 5 and a.frames[0].size == (48, 32)  # the reference frame is cut
+        b = vace.video(prompt="x", seed=3, init_image=png(2), **SMALL)
+        assert digest(a.frames) != digest(b.frames)  # the same seed: the image made the change
+        calls = vace.native_calls
+        with pytest.raises(InvalidParameterError, match="takes no end_image") as err:
+            vace.video(prompt="x", seed=3, end_image=png(1), **SMALL)
+        assert err.value.parameter == "end_image" and vace.native_calls == calls
