@@ -120,6 +120,11 @@ def test_a_wan_layer_count_the_runtime_aborts_on_never_loads(tmp_path: Path) -> 
     bad = fake_wan(tmp_path / "wan-31", 31)
     with pytest.raises(ModelLoadError, match="31 layers"):
         Engine.load(bad, device="cpu")  # the runtime would GGML_ABORT: this process lives on
+    # 30 layers pass our check; the runtime then refuses the wrong shapes itself, without
+    # aborting (only the layer count ends the process)
+    shapes = fake_wan(tmp_path / "wan-30", 30)
+    with pytest.raises(ModelLoadError, match="has wrong shape in model file"):
+        Engine.load(shapes, device="cpu")
 
 
 def test_an_init_image_steers_a_vace_model(vace_model: Path) -> None:
