@@ -28,6 +28,7 @@ from sdfarm.native.params import (
     _PROMPT,
     MAX_SEED,
     MAX_STEPS,
+    MIN_STEPS,
     RANDOM_SEED,
     SAMPLERS,
     SCHEDULERS,
@@ -129,6 +130,13 @@ def validate(params: VideoParams) -> VideoParams:
     first bad parameter and its allowed range."""
     checked = {p.name: p.check(getattr(params, p.name)) for p in VIDEO_PARAMS}
     check_frames(checked["frames"])
+    least, why = MIN_STEPS.get(checked["scheduler"], (1, ""))
+    if checked["steps"] < least:  # the same schedules as an image's (gits: SIGSEGV at 1)
+        raise InvalidParameterError(
+            "steps",
+            f"scheduler {checked['scheduler']} needs at least {least} steps, got "
+            f"{checked['steps']}: {why}; use {least} or more steps, or another scheduler",
+        )
     total = checked["frames"] * checked["width"] * checked["height"]
     if total > MAX_VIDEO_PIXELS:
         raise InvalidParameterError(

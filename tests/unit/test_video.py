@@ -53,6 +53,7 @@ def test_sizes_are_multiples_of_16_and_the_video_is_capped() -> None:
     assert err.parameter == "frames" and "fewer frames" in str(err)
     assert refused(fps=0).parameter == "fps"
     assert refused(steps=0).parameter == "steps"
+    assert "SIGSEGV" in str(refused(steps=1, scheduler="gits"))  # as for an image
     assert ok(seed=-1).seed >= 0  # resolved, so the result reports it
     assert refused(end_image=b"not an image").parameter == "end_image"
 
