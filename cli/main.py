@@ -106,6 +106,10 @@ def cmd_make_test_model(args: argparse.Namespace) -> int:
     from sdfarm.native.testmodel import make_test_model
 
     dirs = make_test_model(Path(args.dir))
+    if args.video:
+        from sdfarm.native.wantestmodel import VARIANTS, make_wan_test_model
+
+        dirs += [make_wan_test_model(Path(args.dir), name) for name in VARIANTS]
     if args.json:
         emit({"models": [str(d) for d in dirs]})
     else:
@@ -190,6 +194,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     m = sub.add_parser("make-test-model", help="write the tiny random-weight test model")
     m.add_argument("dir")
+    m.add_argument(
+        "--video",
+        action="store_true",
+        help="also the random-weight Wan2.1 video models wan-t2v-test and wan-vace-test "
+        "(about 1.9 GB)",
+    )
     m.add_argument("--json", action="store_true")
     m.set_defaults(func=cmd_make_test_model)
 
@@ -209,6 +219,9 @@ def build_parser() -> argparse.ArgumentParser:
     from sdfarm.cli.upscale import add_upscale_command
 
     add_upscale_command(sub)
+    from sdfarm.cli.video import add_video_command
+
+    add_video_command(sub)
     return p
 
 

@@ -29,9 +29,9 @@ from sdfarm.client.errors import (
     UnknownModelError,
 )
 from sdfarm.client.job import DEADLINE_GRACE_S, WAIT_SLICE_S, Job, Result
-from sdfarm.native import upscale_params
+from sdfarm.native import upscale_params, video_params
 from sdfarm.native.errors import InvalidParameterError
-from sdfarm.native.estimate import UpscalerFacts
+from sdfarm.native.estimate import ModelFacts, UpscalerFacts
 from sdfarm.native.params import (
     NAMES,
     OPTION_NAMES,
@@ -174,6 +174,12 @@ class Farm:
             )
         checked = validate(from_mapping({"prompt": prompt, **read_image_files(fields)}))
         opts = check_options(JobOptions(**options))
+        facts = self._model_facts(model)
+        if facts is not None and facts.video:
+            raise InvalidParameterError(
+                "model",
+                f"{model!r} is a video model ({facts.video}): submit a video job (Farm.video)",
+            )
         params, inputs = detach_images(checked)
         spec = JobSpec(model=model, params=params, owner=owner, **asdict(opts))
         spec = replace(spec, submitter=opts.submitter or self.submitter)
@@ -211,6 +217,12 @@ class Farm:
             hbs = self._heartbeats(fresh=True)
             if hbs and model_facts(hbs, model) is None:
                 raise UnknownModelError(model, farm_models(hbs))
+
+    def _model_facts(self, model: str) -> ModelFacts | None:
+        """The live workers' facts of `model` (None when none lists it: `submit_spec` says
+        so, or the job waits for a worker)."""
+        facts = model_facts(self._heartbeats(), model)
+        return facts if isinstance(facts, ModelFacts) else None
 
     def _check_loras(self, names: list[str]) -> None:
         """InvalidParameterError naming a LoRA no live worker has (after a fresh look)."""
@@ -253,6 +265,36 @@ class Farm:
             model=upscaler_key(params.upscaler), params=doc, kind="upscale", owner=owner,
             **asdict(opts),
         )  # fmt: skip
+        spec = replace(spec, submitter=opts.submitter or self.submitter)
+        return self.submit_spec(spec, inputs, quota)
+
+    def video(
+        self,
+        model: str,
+        prompt: str,
+        *,
+        owner: str = "",
+        quota: int = 0,
+        **fields: Any,
+    ) -> Job:
+        """Queue one video of `model` (a Wan model) from `prompt`; the job's result is the
+        frames as PNGs then an animated WebP (`Result.frames`, `Result.webp`). `fields` are
+        the other video parameters (sdfarm.native.video_params: width, height, frames (4k+1),
+        fps, steps, seed, cfg_scale, sampler, scheduler, init_image, end_image as bytes or a
+        path) and the job options; `owner` and `quota` as `submit`'s. InvalidParameterError
+        before anything is queued; whether the model makes video (and reads the images given)
+        the worker checks before any native call."""
+        options = {k: fields.pop(k) for k in OPTION_NAMES if k in fields}
+        values = video_params.read_image_files({"prompt": prompt, **fields})
+        params = video_params.validate(video_params.from_mapping(values))
+        opts = check_options(JobOptions(**options))
+        facts = self._model_facts(model)
+        if facts is not None and not facts.video:
+            raise InvalidParameterError(
+                "model", f"{model!r} is not a video model: video jobs need a Wan model"
+            )
+        doc, inputs = video_params.detach(params)
+        spec = JobSpec(model=model, params=doc, kind="video", owner=owner, **asdict(opts))
         spec = replace(spec, submitter=opts.submitter or self.submitter)
         return self.submit_spec(spec, inputs, quota)
 

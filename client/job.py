@@ -60,8 +60,39 @@ class Result:
         img.load()
         return img
 
+    @property
+    def webp(self) -> bytes | None:
+        """A video job's animated WebP (stored after its frames), else None."""
+        index = self.metadata.get("webp_index")
+        if self.metadata.get("kind") != "video" or not isinstance(index, int):
+            return None
+        return self.pngs[index] if 0 <= index < len(self.pngs) else None
+
+    @property
+    def frames(self) -> list[bytes]:
+        """A video job's frames (PNG bytes, in order); a generation's images."""
+        if self.webp is None:
+            return list(self.pngs)
+        return list(self.pngs[: self.metadata["webp_index"]])
+
+    def save_video(self, folder: str | os.PathLike[str]) -> list[Path]:
+        """A video job's frames as `folder/frame-0000.png`, ... and `folder/video.webp`."""
+        out = Path(folder)
+        out.mkdir(parents=True, exist_ok=True)
+        written = []
+        for i, png in enumerate(self.frames):
+            (target := out / f"frame-{i:04d}.png").write_bytes(png)
+            written.append(target)
+        if self.webp is not None:
+            (target := out / "video.webp").write_bytes(self.webp)
+            written.append(target)
+        return written
+
     def save(self, path: str | os.PathLike[str]) -> list[Path]:
-        """Write the first image to `path`, further ones to `name-1.png`, `name-2.png`, ..."""
+        """Write the first image to `path`, further ones to `name-1.png`, `name-2.png`, ...
+        (a video's: `save_video`)."""
+        if self.webp is not None:
+            return self.save_video(Path(path).with_suffix(""))
         out = Path(path)
         out.parent.mkdir(parents=True, exist_ok=True)
         written = []

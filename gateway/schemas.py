@@ -26,6 +26,7 @@ from sdfarm.native.addresses import MAX_URL_CHARS
 from sdfarm.native.errors import InvalidParameterError
 from sdfarm.native.params import BY_NAME, IMAGE_PARAMS, OPTIONS, PARAMS, Param
 from sdfarm.native.upscale_params import UPSCALE_PARAMS
+from sdfarm.native.video_params import VIDEO_IMAGES, VIDEO_PARAMS
 
 CARRIED = ("width", "height", "batch_count")
 """The parameters OpenAI's request carries in `size` and `n`."""
@@ -158,6 +159,30 @@ UpscaleRequest: type[BaseModel] = create_model(
     priority=_option("priority"),
     submitter=_option("submitter", help="the name fair share counts the job for"),
 )
+
+
+VideoRequest: type[BaseModel] = create_model(
+    "VideoRequest",
+    __config__=ConfigDict(extra="forbid"),
+    __doc__="One video: a (Wan) model, the video parameters (images base64) and the job options.",
+    model=_MODEL,
+    **{p.name: _field(p) for p in VIDEO_PARAMS},
+    priority=_option("priority"),
+    submitter=_option("submitter", help="the name fair share counts the job for"),
+    webhook=_option("webhook"),
+)
+
+
+def video_args(values: dict[str, Any]) -> tuple[str, str, dict[str, Any]]:
+    """(model, prompt, the other keyword arguments of Farm.video) of a parsed VideoRequest's
+    values: images decoded, the gateway's submitter by default."""
+    values = dict(values)
+    if values.get("submitter") is None:
+        values["submitter"] = DEFAULT_SUBMITTER
+    for name in VIDEO_IMAGES:
+        if values.get(name) is not None:
+            values[name] = decode_image(name, values[name])
+    return values.pop("model"), values.pop("prompt"), values
 
 
 def upscale_args(values: dict[str, Any]) -> dict[str, Any]:

@@ -45,6 +45,8 @@ typedef struct {
     bool vae_conv_direct;
     float max_vram;
     enum lora_apply_mode_t lora_apply_mode;
+    const char* high_noise_diffusion_model_path;
+    const char* clip_vision_path;
     ...;
 } sd_ctx_params_t;
 
@@ -108,6 +110,32 @@ typedef struct {
     sd_hires_params_t hires;
     ...;
 } sd_img_gen_params_t;
+
+typedef struct {
+    const sd_lora_t* loras;
+    uint32_t lora_count;
+    const char* prompt;
+    const char* negative_prompt;
+    int clip_skip;
+    sd_image_t init_image;
+    sd_image_t end_image;
+    int width;
+    int height;
+    sd_sample_params_t sample_params;
+    sd_sample_params_t high_noise_sample_params;
+    float moe_boundary;
+    float strength;
+    int64_t seed;
+    int video_frames;
+    sd_tiling_params_t vae_tiling_params;
+    sd_cache_params_t cache;
+    ...;
+} sd_vid_gen_params_t;
+void sd_vid_gen_params_init(sd_vid_gen_params_t* sd_vid_gen_params);
+sd_image_t* generate_video(sd_ctx_t* sd_ctx, const sd_vid_gen_params_t* sd_vid_gen_params,
+                           int* num_frames_out);
+bool sd_ctx_supports_image_generation(const sd_ctx_t* sd_ctx);
+bool sd_ctx_supports_video_generation(const sd_ctx_t* sd_ctx);
 
 typedef struct upscaler_ctx_t upscaler_ctx_t;
 upscaler_ctx_t* new_upscaler_ctx(const char* esrgan_path, bool offload_params_to_cpu, bool direct,

@@ -51,6 +51,13 @@ from sdfarm.native.ring import NATIVE_LOCK, LogRing
 from sdfarm.native.roles import ROLE_PARAMS
 from sdfarm.native.tiling import TilingPlan, plan_tiling
 from sdfarm.native.upscalers import UpscalerFile
+from sdfarm.native.video import (
+    VideoResult,
+    generate_video,
+    is_video_model,
+    refuse_video_model,
+)
+from sdfarm.native.video_params import VideoParams
 
 WARMUP = GenerationParams(prompt="warm-up", width=64, height=64, steps=1, seed=1)
 
@@ -215,6 +222,9 @@ class Engine:
         )
         self.load_seconds = load_s
         self.warmup_seconds = 0.0
+        # A video model has no image generation to warm up with (sdfarm.native.video).
+        if is_video_model(self.model):
+            warm_up = False
         if warm_up if warm_up is not None else compute.type in ("gpu", "igpu"):
             t = time.monotonic()
             self._run(validate(WARMUP), progress=None)
@@ -500,6 +510,7 @@ class Engine:
             raise TypeError("pass GenerationParams or keyword arguments, not both")
         self._check_usable()
         params = validate(params)
+        refuse_video_model(self.model)
         hires_bytes = self._hires_upscaler(params, upscalers or {})
         if params.init_image is not None and not self.model.can_encode:
             raise InvalidParameterError(
@@ -584,6 +595,24 @@ class Engine:
             "timings": {"generate_s": round(seconds, 4)},
         }
         return GenerationResult(images, params, metadata, records)
+
+    def video(
+        self,
+        params: VideoParams | None = None,
+        *,
+        progress: Callable[[int, int, float], None] | None = None,
+        log: LogConfig | None = None,
+        estimate: int | None = None,
+        **kwargs: Any,
+    ) -> VideoResult:
+        """Make a video of `params` (or keyword arguments of VideoParams) with this engine's
+        Wan model: frames plus an animated WebP (sdfarm.native.video.generate_video, which
+        checks everything before the native call)."""
+        if params is None:
+            params = VideoParams(**kwargs)
+        elif kwargs:
+            raise TypeError("pass VideoParams or keyword arguments, not both")
+        return generate_video(self, params, progress=progress, log=log, estimate=estimate)
 
     def _hires_upscaler(self, params: GenerationParams, files: Mapping[str, UpscalerFile]) -> int:
         """Check the hires pass's model upscaler and keep its file for the call; the bytes it

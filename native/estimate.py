@@ -36,6 +36,13 @@ since a model's facts do not say which its VAE has (cautious by 4x in area for S
 and the tiny model, whose VAEs scale by 8)."""
 
 
+VIDEO_CHUNK_BYTES_PER_PIXEL = 48 * 1024
+"""The Wan VAE's working memory per frame pixel while it decodes one latent frame into four
+frames (bench/video_memory.py on the CPU; see ModelFacts.video_estimate)."""
+VIDEO_FRAME_BYTES_PER_PIXEL = 1024
+"""What every frame adds per pixel (bench/video_memory.py on the CPU)."""
+
+
 @dataclass(frozen=True)
 class ModelFacts:
     """What a model's estimate needs: its files' total bytes, its native size and what this
@@ -44,6 +51,9 @@ class ModelFacts:
     bytes: int
     native_size: tuple[int, int]
     decode_per_pixel: int = 0
+    video: str = ""
+    """The video model it is, as the runtime names it (e.g. "Wan2.1-T2V-1.3B"; "": an image
+    model): so a client refuses an image job for a video model, and the reverse, at submit."""
 
     def estimate(
         self,
@@ -78,23 +88,48 @@ class ModelFacts:
             decode_per_pixel=per_pixel,
         )
 
+    def video_estimate(self, width: int, height: int, frames: int, encodes: bool = False) -> int:
+        """The peak memory estimate of a video job (sdfarm.native.video): what the engine
+        holds at its native size, plus the Wan VAE's decode of one chunk of frames (it
+        decodes a latent frame at a time, four frames a chunk: per frame pixel, not per
+        video pixel), plus what grows with every frame (the latent video, the decoded
+        frames as floats and 8-bit, the frames' images and the WebP encoder's copies). An
+        input image is encoded by the same VAE first (its encoder's working memory, counted
+        like a chunk). Measured on the CPU by bench/video_memory.py."""
+        pixels = int(width) * int(height)
+        chunks = 2 if encodes else 1
+        return (
+            self.resident()
+            + pixels * VIDEO_CHUNK_BYTES_PER_PIXEL * chunks
+            + pixels * int(frames) * VIDEO_FRAME_BYTES_PER_PIXEL
+        )
+
     def resident(self) -> int:
         """The estimate at the native size: what a loaded engine of this model holds."""
         return self.estimate(*self.native_size)
 
     def as_json(self) -> dict[str, Any]:
-        """The heartbeat's form: {bytes, native_size: [w, h], decode_per_pixel}."""
-        return {
+        """The heartbeat's form: {bytes, native_size: [w, h], decode_per_pixel}, and `video`
+        for a video model."""
+        doc: dict[str, Any] = {
             "bytes": self.bytes,
             "native_size": list(self.native_size),
             "decode_per_pixel": self.decode_per_pixel,
         }
+        if self.video:
+            doc["video"] = self.video
+        return doc
 
     @classmethod
     def from_json(cls, doc: Mapping[str, Any]) -> ModelFacts:
         """The facts of a heartbeat's `models` entry (ValueError when malformed)."""
         w, h = doc["native_size"]
-        return cls(int(doc["bytes"]), (int(w), int(h)), int(doc.get("decode_per_pixel") or 0))
+        return cls(
+            int(doc["bytes"]),
+            (int(w), int(h)),
+            int(doc.get("decode_per_pixel") or 0),
+            str(doc.get("video") or ""),
+        )
 
     @classmethod
     def cautious(cls, facts: list[ModelFacts]) -> ModelFacts:
@@ -102,13 +137,22 @@ class ModelFacts:
         decode paths differ give the largest file size and decode term and the smallest
         native size, so one estimate per job covers every device that may get it."""
         native = min((f.native_size for f in facts), key=lambda s: s[0] * s[1])
-        return cls(max(f.bytes for f in facts), native, max(f.decode_per_pixel for f in facts))
+        video = max(f.video for f in facts)  # copies of one name should agree
+        return cls(
+            max(f.bytes for f in facts), native, max(f.decode_per_pixel for f in facts), video
+        )
 
 
 def model_facts(model: Any, device: Device) -> ModelFacts:
     """The facts of a loaded or loadable `Model` (sdfarm.native.model) on `device`."""
+    from sdfarm.native.video import video_model
+
+    found = video_model(model)
     return ModelFacts(
-        model.total_bytes, tuple(model.native_size), decode_bytes_per_pixel(model.files, device)
+        model.total_bytes,
+        tuple(model.native_size),
+        decode_bytes_per_pixel(model.files, device),
+        found.desc if found else "",
     )
 
 
@@ -246,10 +290,14 @@ def job_estimate(
     extra_bytes: int = 0,
     tile_size: int = 0,
     tiled: bool = False,
+    frames: int = 0,
 ) -> int:
     """A job's estimate from its engine's facts: a generation's size (and input image and
-    LoRA files; `tiled`: its VAE decoding in tiles), or an upscale's input size and tile size.
-    What the scheduler places by."""
+    LoRA files; `tiled`: its VAE decoding in tiles), or an upscale's input size and tile size,
+    or a video's frame size and `frames` (a video is never tiled). What the scheduler places
+    by."""
     if isinstance(facts, UpscalerFacts):
         return facts.estimate(width, height, tile_size)
+    if frames:
+        return facts.video_estimate(width, height, frames, encodes)
     return facts.estimate(width, height, encodes, extra_bytes, tiled=tiled)

@@ -34,6 +34,7 @@ from .roles import (
     native_size_for,
     split_checkpoint,
 )
+from .video import check_header as check_video_header
 
 MODEL_SUFFIXES: tuple[str, ...] = (".safetensors", ".gguf")
 MANIFEST_NAME = "model.json"
@@ -152,6 +153,7 @@ class Model:
                     f"{_article(detected)} {detected} file ({evidence})",
                     role=role,
                 )
+            check_video_header(header, f"{role} file {path.name}")
             model_files[role] = ModelFile(path, role, header.file_size, header)
 
         main = model_files.get("diffusion_model") or model_files.get("checkpoint")

@@ -23,7 +23,7 @@ from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import Any, Protocol
 
-from sdfarm.native import upscale_params
+from sdfarm.native import upscale_params, video_params
 from sdfarm.native.errors import InvalidParameterError
 from sdfarm.native.estimate import UpscalerFacts, job_estimate
 from sdfarm.native.params import MAX_SIZE, VAE_TILING, from_mapping
@@ -95,7 +95,8 @@ Hires = tuple[str, int, int, int]
 """A hires pass's model upscaler: (its name, the first pass's width and height, tile size)."""
 Shape = tuple[str, int, int, bool, tuple[str, ...], int, Hires | None, str]
 """(engine, width, height, encodes an image, its LoRAs, tile size, its hires upscaler, its
-vae_tiling choice): an upscale job's engine is `upscaler:NAME`, its size the input image's."""
+vae_tiling choice): an upscale job's engine is `upscaler:NAME`, its size the input image's;
+a video job's tile size is minus its frame count (`_video_frames`)."""
 
 
 @dataclass(frozen=True)
@@ -407,6 +408,7 @@ class Dispatcher:
             _, width, height, encodes, loras, tile, hires, tiling = shape
             extra = sum(sizes.get(n, 0) for n in loras) + _hires_bytes(snap, hires)
             size = {"encodes": encodes, "tile_size": tile, "extra_bytes": extra}
+            size["frames"] = _video_frames(size)
             upscale = upscaler_name(model) is not None  # no VAE: nothing to tile
             asked = _index_request(
                 placement.JobRequest(
@@ -572,8 +574,14 @@ def _pending_job(job_id: str, priority: int, values: list[Any]) -> PendingJob | 
         return None
     tile, hires = 0, None
     try:
-        params = json.loads(spec).get("params") or {}
-        if upscaler_name(model) is not None:
+        doc = json.loads(spec)
+        params = doc.get("params") or {}
+        if doc.get("kind") == "video":
+            # A video job: its frame size, its frame count as a negative tile size (the
+            # shape's slot no video uses; `_video_frames`), never tiled.
+            width, height, frames, encodes = video_params.placement_size(params)
+            tile, loras, tiling = -frames, (), "off"
+        elif upscaler_name(model) is not None:
             # An upscale job: its input size and tile size (a malformed size places as the
             # largest input, the worker refuses what does not fit).
             width, height = upscale_params.input_size(params) or (MAX_SIZE, MAX_SIZE)
@@ -597,6 +605,16 @@ def _pending_job(job_id: str, priority: int, values: list[Any]) -> PendingJob | 
         job_id, model, priority, submitter or "anonymous", created_at, width, height, encodes,
         loras, tile, hires, tiling,
     )  # fmt: skip
+
+
+def _video_frames(size: dict[str, Any]) -> int:
+    """A video job's frame count from its shape's size (its tile size, negative), 0 for
+    another job; the tile size it stood in for becomes 0."""
+    if size["tile_size"] >= 0:
+        return 0
+    frames = -size["tile_size"]
+    size["tile_size"] = 0
+    return frames
 
 
 def _hires_bytes(snap: Snapshot, hires: Hires | None) -> int:

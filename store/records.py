@@ -145,8 +145,9 @@ def new_dispatch_id() -> str:
     return uuid.uuid4().hex
 
 
-JOB_KINDS = ("generate", "upscale")
-"""What a job does: generate images with a model, or upscale an image with an upscaler."""
+JOB_KINDS = ("generate", "upscale", "video")
+"""What a job does: generate images with a model, upscale an image with an upscaler, or make a
+video with a (Wan) model (sdfarm.native.video_params)."""
 UPSCALER_PREFIX = "upscaler:"
 """An upscale job's `model`: the engine it needs, `upscaler:NAME`, so the engine cache, the
 heartbeat's loaded engines and placement name an upscaler apart from a model of that name."""

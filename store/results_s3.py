@@ -53,7 +53,9 @@ class S3Results:
         keys = []
         for i, data in enumerate(pngs):
             key = self._key(job_id, i, run)
-            self.client.put_object(Bucket=self.bucket, Key=key, Body=data, ContentType="image/png")
+            # A video job's animated WebP comes after its frames (sdfarm.native.video).
+            kind = "image/webp" if data[:4] == b"RIFF" else "image/png"
+            self.client.put_object(Bucket=self.bucket, Key=key, Body=data, ContentType=kind)
             keys.append(key)
         return keys
 

@@ -51,3 +51,21 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
 def models_dir(tiny_models: list[Path]) -> Path:
     """The directory holding both tiny models (what `--models DIR` takes)."""
     return tiny_models[0].parent
+
+
+@pytest.fixture(scope="session")
+def wan_model() -> Path:
+    """The random-weight Wan2.1 T2V 1.3B test model's folder (sdfarm.native.wantestmodel),
+    written once into the runtime's cache (about 1 GB, 14 s) and reused by later sessions."""
+    from sdfarm.native.wantestmodel import cached_wan_test_model
+
+    return cached_wan_test_model()
+
+
+@pytest.fixture(scope="session")
+def vace_model(wan_model: Path) -> Path:
+    """The VACE variant of the Wan test model (one VACE block: it reads an init image as its
+    reference), beside it in the cache (0.8 GB more, the VAE shared)."""
+    from sdfarm.native.wantestmodel import VACE_NAME, cached_wan_test_model
+
+    return cached_wan_test_model(VACE_NAME)

@@ -51,6 +51,8 @@ class Finished:
     png_params: list[dict[str, Any]] = field(default_factory=list)
     error: str = ""
     job_fields: dict[str, str] = field(default_factory=dict)
+    extra: list[bytes] = field(default_factory=list)
+    """Encoded results stored after the images' PNGs (a video's animated WebP)."""
 
 
 class Uploader:
@@ -131,7 +133,7 @@ class Uploader:
             pngs = [
                 png_bytes(img, item.png_params[i] if i < len(item.png_params) else meta or {})
                 for i, img in enumerate(item.images)
-            ]
+            ] + list(item.extra)
             timings["encode_s"] = round(time.monotonic() - t, 4)
             try:
                 stored = retry_transient(lambda: self.results.put(item.job_id, pngs, item.dispatch))

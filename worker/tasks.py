@@ -20,13 +20,14 @@ from collections.abc import Callable, Iterator
 from dataclasses import fields
 from typing import Any
 
-from sdfarm.native import images, logs, upscale_params
+from sdfarm.native import images, logs, upscale_params, video_params
 from sdfarm.native.engine import LogConfig
 from sdfarm.native.errors import EngineError, InvalidParameterError, ModelTooLargeError
 from sdfarm.native.estimate import model_facts, upscaler_facts
 from sdfarm.native.params import IMAGE_PARAMS, attach_images, from_mapping, validate
 from sdfarm.native.preview import Preview
 from sdfarm.native.tiling import TilingPlan
+from sdfarm.native.video import refuse_video_model, require_video_model
 from sdfarm.store import Claim, JobSpec
 from sdfarm.store.records import JOB_KINDS, upscaler_key
 from sdfarm.store.retry import retry_transient
@@ -113,7 +114,9 @@ class JobRun:
             self.meta["model"] = spec.model
             self.level = spec.log_level
             self.log_prompts = spec.log_prompts
-            prepare = self._prepare_upscale if spec.kind == "upscale" else self._prepare_generate
+            prepare = {"upscale": self._prepare_upscale, "video": self._prepare_video}.get(
+                spec.kind, self._prepare_generate
+            )
             engine, call = prepare(spec, claimed)
         except EngineError as exc:
             self._fail(str(exc), _error_records(exc), self._refusal_fields(exc))
@@ -135,6 +138,7 @@ class JobRun:
         """A generation's checked parameters, model, LoRAs and engine: (engine, the call)."""
         params = validate(from_mapping(self._with_inputs(spec.params)))
         model = self.ctx.catalog.load(spec.model)
+        refuse_video_model(model)  # before its engine loads: it makes no images
         facts = model_facts(model, self.ctx.config.device)
         loras = {name: self.ctx.loras.load(name) for name, _ in params.loras}
         extra = sum(f.size for f in loras.values())
@@ -175,6 +179,27 @@ class JobRun:
         log_config = LogConfig(level=self.level)
         return engine, lambda: engine.upscale(params, log=log_config, estimate=need)
 
+    def _prepare_video(self, spec: JobSpec, claimed: Claim) -> tuple[Any, Callable[[], Any]]:
+        """A video's checked parameters, model (a Wan model reading the images given: checked
+        from its headers before any engine loads) and engine: (engine, the call)."""
+        inputs: dict[str, bytes] = {}
+        if any(spec.params.get(n) for n in video_params.VIDEO_IMAGES):
+            inputs = retry_transient(lambda: self.store.inputs(self.job_id))
+        params = video_params.validate(
+            video_params.from_mapping(video_params.attach(spec.params, inputs))
+        )
+        model = self.ctx.catalog.load(spec.model)
+        require_video_model(model).refuse_images(params)
+        facts = model_facts(model, self.ctx.config.device)
+        need = claimed.estimate or facts.video_estimate(
+            params.width, params.height, params.frames, params.encodes
+        )
+        engine = self.ctx.request_engine(spec.model, model, facts.resident(), self.job_id, need)
+        log_config = LogConfig(level=self.level, log_prompts=self.log_prompts)
+        return engine, lambda: engine.video(
+            params, progress=self._progress, log=log_config, estimate=need
+        )
+
     def _execute(self, name: str, engine: Any, call: Callable[[], Any], sleep_s: float) -> None:
         """Run the job's native call on its engine (after the load's records are stored and
         a cancel during the load is honoured) and hand its images to the uploader."""
@@ -205,6 +230,7 @@ class JobRun:
             r.as_dict() for r in result.records
         ]
         seeds = meta.get("seeds")
+        frames = len(result.images) if meta.get("kind") == "video" else 0
         self.ctx.uploader.submit(
             Finished(
                 self.job_id,
@@ -213,7 +239,10 @@ class JobRun:
                 meta=meta,
                 records=_visible(records, self.level),
                 images=list(result.images),
-                png_params=[{**meta, "seed": s} for s in seeds] if seeds else [meta],
+                png_params=[{**meta, "seed": s} for s in seeds]
+                if seeds
+                else [{**meta, "frame": i} for i in range(frames)] or [meta],
+                extra=list(getattr(result, "extra", [])),
             )
         )
 

@@ -1,0 +1,132 @@
+"""`sdfarm video MODEL PROMPT --frames N --out DIR`: one video (frames as PNGs and an animated
+WebP), in this process (`--in-process`) or as a job on the farm (a private local farm when none
+runs), like `generate` and `upscale`. The flags come from the video job's schema
+(sdfarm.native.video_params); with --json, stdout carries exactly one JSON document."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from sdfarm.cli.main import EXIT_FARM, emit, exit_code, fail, stdout_reserved
+from sdfarm.cli.options import _add, add_option_flags, given_options
+from sdfarm.native.video_params import VIDEO_PARAMS
+
+
+def add_video_command(sub: Any) -> None:
+    p = sub.add_parser("video", help="make one video with a Wan model")
+    p.add_argument("model", help="the model's name (a folder of --models) or folder")
+    p.add_argument("prompt", help=VIDEO_PARAMS[0].help)
+    for param in VIDEO_PARAMS:
+        if param.name != "prompt":
+            _add(p, param, None)
+    p.add_argument("--out", default="video", help="the folder for the frames and video.webp")
+    p.add_argument(
+        "--models", action="append", default=[], help="a directory of models (also $SDFARM_MODELS)"
+    )
+    add_option_flags(p, "log_level", "priority", "deadline_s")
+    p.add_argument("--in-process", action="store_true", help="run it here, without a farm")
+    p.add_argument("--redis", default=None, help="the farm's Redis URL")
+    p.add_argument("--device", default="auto", help="--in-process: auto, gpu, cpu or a name")
+    p.add_argument("--no-check-memory", action="store_true", help="--in-process: no check")
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--timeout", type=float, default=3600.0, help="seconds to wait for the job")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_video)
+
+
+def given_video(args: argparse.Namespace) -> dict[str, Any]:
+    """The video parameters given as flags (those left out are absent), the prompt too."""
+    values = {
+        p.name: getattr(args, p.name)
+        for p in VIDEO_PARAMS
+        if p.name != "prompt" and getattr(args, p.name, None) is not None
+    }
+    return {"prompt": args.prompt, **values}
+
+
+def cmd_video(args: argparse.Namespace) -> int:
+    from sdfarm.native import video_params
+    from sdfarm.native.errors import EngineError
+
+    with stdout_reserved(args.json and args.in_process) as out:
+        try:
+            values = video_params.read_image_files(given_video(args))
+            params = video_params.validate(video_params.from_mapping(values))
+            run = _in_process if args.in_process else _on_farm
+            doc = run(args, params)
+        except KeyboardInterrupt:
+            return 130
+        except (EngineError, ValueError, OSError) as exc:
+            return fail(args, exc, out)
+        except Exception as exc:  # noqa: BLE001 - farm errors become a message and EXIT_FARM
+            rc = fail(args, exc, out)
+            return EXIT_FARM if exit_code(exc) == 1 else rc
+        if args.json:
+            emit(doc, out)
+        else:
+            print(
+                f"{doc['webp']}: {doc['frames']} frames of {doc['width']}x{doc['height']} "
+                f"({doc['model']}), {doc['timings'].get('generate_s', '?')} s on "
+                f"{doc.get('device', '?')}",
+                file=out,
+            )
+    return 0
+
+
+def _written(folder: Path, frames: list[bytes], webp: bytes) -> dict[str, Any]:
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for i, png in enumerate(frames):
+        (target := folder / f"frame-{i:04d}.png").write_bytes(png)
+        paths.append(str(target))
+    (folder / "video.webp").write_bytes(webp)
+    return {"frame_files": paths, "webp": str(folder / "video.webp")}
+
+
+def _in_process(args: argparse.Namespace, params: Any) -> dict[str, Any]:
+    """Resolve the model in the model directories (or a folder), load, make the video."""
+    from sdfarm.native.catalog import resolve
+    from sdfarm.native.engine import Engine, LogConfig
+    from sdfarm.native.png import png_bytes
+
+    log = LogConfig(level=args.log_level or "none")
+    t0 = time.monotonic()
+    with Engine.load(
+        resolve(args.model, args.models),
+        device=args.device,
+        check_memory=not args.no_check_memory,
+        log=log,
+        threads=args.threads,
+    ) as engine:
+        load_s = time.monotonic() - t0
+        result = engine.video(params)
+        records = engine.drain_load_records() + result.records
+    meta = result.metadata
+    pngs = [png_bytes(f, {**meta, "frame": i}) for i, f in enumerate(result.frames)]
+    files = _written(Path(args.out), pngs, result.webp)
+    meta["timings"] = {**meta["timings"], "load_s": round(load_s, 4)}
+    for r in records:
+        print(f"[{r.level}] {r.message}", file=sys.stderr)
+    return {**files, **meta, "records": [r.as_dict() for r in records]}
+
+
+def _on_farm(args: argparse.Namespace, params: Any) -> dict[str, Any]:
+    """One video job at interactive priority on the running farm (else a private one)."""
+    from sdfarm.cli.farm import _connect, _models_dirs, farm_url
+    from sdfarm.native import video_params
+
+    options = {"priority": 0, **given_options(args)}
+    fields = {k: v for k, v in params.as_dict().items() if k != "prompt"}
+    for name in video_params.VIDEO_IMAGES:
+        fields[name] = getattr(params, name)
+    with farm_url(args.redis, _models_dirs(args.models), args.threads) as url:
+        job = _connect(url).video(args.model, params.prompt, **fields, **options)
+        result = job.result(args.timeout)
+    assert result.webp is not None
+    files = _written(Path(args.out), result.frames, result.webp)
+    return {**files, "job": job.id, "redis_url": url, **result.metadata,
+            "records": list(result.records or [])}  # fmt: skip

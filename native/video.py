@@ -1,0 +1,430 @@
+"""Video models and the video job on a loaded engine (`generate_video` of master-596).
+
+Which models make video, read from their headers as the runtime reads them (src/model.cpp
+get_sd_version, src/wan.hpp WanRunner):
+- a diffusion model with `blocks.0.cross_attn.norm_k.weight` is a Wan DiT; its layer count is
+  one more than the highest `blocks.N.`, and the runtime builds only 30 layers (Wan 2.1 1.3B,
+  Wan 2.2 TI2V 5B) or 40 (the 14B models): any other count ends the process
+  (GGML_ABORT "invalid num_layers"), so `check_header` refuses it before any load;
+- `img_emb.*` makes it image-to-video (Wan 2.1 I2V, with `img_emb.emb_pos` first-last-frame),
+  `vace_blocks.*` a VACE model, the patch embedding's channels (product of all but the three
+  kernel dims) 147456 the Wan 2.2 TI2V 5B and 184320 the Wan 2.2 I2V 14B.
+
+What the runtime reads of a job's images (prepare_video_generation_latents):
+- Wan 2.2 TI2V 5B: init_image (the first frame); end_image is ignored;
+- Wan 2.2 I2V 14B: init_image and end_image (first and last frame);
+- VACE: init_image as the reference image;
+- Wan 2.1 I2V and FLF2V: both, through a CLIP vision encoder, a file no sdfarm model holds
+  yet: refused;
+- text-to-video (Wan 2.1 T2V 1.3B, Wan 2.x T2V 14B): neither.
+The SVD UNet, which the runtime also runs through generate_video, is not offered (no sdfarm
+test loads one).
+
+A Wan model without a umT5-XXL file loads and generates: the runtime conditions on zeros and
+the prompt does nothing (measured with sdfarm's test model: "a cat" and "a dog" give the same
+bytes); the result's warnings say so.
+"""
+
+from __future__ import annotations
+
+import io
+import re
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from PIL import Image
+
+from sdfarm.native import logs, memory
+from sdfarm.native.errors import (
+    GenerationError,
+    InvalidParameterError,
+    ModelLoadError,
+    ModelTooLargeError,
+)
+from sdfarm.native.headers import FileHeader
+from sdfarm.native.video_params import VideoParams, validate
+
+if TYPE_CHECKING:
+    from sdfarm.native.engine import Engine, LogConfig
+    from sdfarm.native.model import Model
+
+WAN_LAYERS = (30, 40)
+"""The layer counts the runtime's Wan DiT builds (any other aborts the process)."""
+_PREFIX = re.compile(r"^(?:model\.diffusion_model\.)")
+_BLOCK = re.compile(r"(?:^|\.)blocks\.(\d+)\.")
+_VACE_BLOCK = re.compile(r"(?:^|\.)vace_blocks\.(\d+)\.")
+WAN_MARKER = "blocks.0.cross_attn.norm_k.weight"
+TI2V_CHANNELS = 147456
+I2V_22_CHANNELS = 184320
+CLIP_VISION_NEEDED = ("Wan2.1-I2V-14B", "Wan2.1-I2V-1.3B", "Wan2.1-FLF2V-14B")
+NO_PROMPT_WARNING = (
+    "the model has no text encoder (umT5-XXL): the runtime conditions on nothing and the "
+    "prompt has no effect"
+)
+
+
+@dataclass(frozen=True)
+class VideoModel:
+    """What the runtime makes of a Wan DiT: its name in the runtime's log (`desc`), its layer
+    count, which input images it reads, and whether the model has its text encoder."""
+
+    desc: str
+    layers: int
+    init_image: bool
+    end_image: bool
+    text_encoder: bool
+
+    def refuse_images(self, params: VideoParams) -> None:
+        """InvalidParameterError naming an input image this model does not read."""
+        for name, takes in (("init_image", self.init_image), ("end_image", self.end_image)):
+            if getattr(params, name) is None or takes:
+                continue
+            if self.desc in CLIP_VISION_NEEDED:
+                why = (
+                    "the runtime reads it through a CLIP vision encoder, which sdfarm models "
+                    "cannot hold yet"
+                )
+            else:
+                why = "the runtime ignores it for this model"
+            readers = {
+                "init_image": "Wan2.2-TI2V-5B, Wan2.2-I2V-14B or a VACE model",
+                "end_image": "Wan2.2-I2V-14B",
+            }[name]
+            raise InvalidParameterError(name, f"{self.desc} takes no {name}: {why} (use {readers})")
+
+
+def _names(header: FileHeader) -> list[str]:
+    return [_PREFIX.sub("", n, count=1) for n in header.tensors]
+
+
+def is_wan(header: FileHeader) -> bool:
+    """Whether the runtime would take this diffusion model (or checkpoint) for a Wan DiT."""
+    return any(n == WAN_MARKER for n in _names(header))
+
+
+def wan_layers(header: FileHeader) -> int:
+    """The layer count the runtime reads from a Wan DiT's tensor names (VACE blocks apart)."""
+    most = 0
+    for n in _names(header):
+        if _VACE_BLOCK.search(n):
+            continue
+        m = _BLOCK.search(n)
+        if m:
+            most = max(most, int(m.group(1)) + 1)
+    return most
+
+
+def check_header(header: FileHeader, what: str) -> None:
+    """ModelLoadError for a Wan DiT the runtime would abort on (a layer count it does not
+    build); nothing for any other file. `what` names the file in the message."""
+    if not is_wan(header):
+        return
+    layers = wan_layers(header)
+    if layers not in WAN_LAYERS:
+        raise ModelLoadError(
+            f"{what}: a Wan diffusion model with {layers} layers; the runtime builds only "
+            f"{' or '.join(map(str, WAN_LAYERS))} (Wan 2.1 1.3B / Wan 2.2 5B, or the 14B models) "
+            "and ends the process on any other count, so it is not loaded",
+            role="diffusion_model",
+        )
+
+
+def _patch_channels(header: FileHeader) -> int:
+    for name, info in header.tensors.items():
+        if _PREFIX.sub("", name, count=1) == "patch_embedding.weight" and len(info.shape) >= 4:
+            channels = 1
+            for d in info.shape[:-3]:
+                channels *= d
+            return channels
+    return 0
+
+
+def describe(header: FileHeader, text_encoder: bool) -> VideoModel | None:
+    """The runtime's reading of a Wan DiT's header (None for any other file)."""
+    if not is_wan(header):
+        return None
+    names = _names(header)
+    layers = wan_layers(header)
+    i2v = any("img_emb" in n for n in names)
+    flf = any("img_emb.emb_pos" in n for n in names)
+    vace = any(_VACE_BLOCK.search(n) for n in names)
+    channels = _patch_channels(header)
+    if layers == 30:
+        if channels == TI2V_CHANNELS and not i2v:
+            return VideoModel("Wan2.2-TI2V-5B", layers, True, False, text_encoder)
+        if vace:
+            return VideoModel("Wan2.1-VACE-1.3B", layers, True, False, text_encoder)
+        if i2v:
+            return VideoModel("Wan2.1-I2V-1.3B", layers, False, False, text_encoder)
+        return VideoModel("Wan2.1-T2V-1.3B", layers, False, False, text_encoder)
+    if not i2v:
+        if channels == I2V_22_CHANNELS:
+            return VideoModel("Wan2.2-I2V-14B", layers, True, True, text_encoder)
+        if vace:
+            return VideoModel("Wan2.x-VACE-14B", layers, True, False, text_encoder)
+        return VideoModel("Wan2.x-T2V-14B", layers, False, False, text_encoder)
+    desc = "Wan2.1-FLF2V-14B" if flf else "Wan2.1-I2V-14B"
+    return VideoModel(desc, layers, False, False, text_encoder)
+
+
+def video_model(model: Model) -> VideoModel | None:
+    """The video model `model` is (its diffusion model's or checkpoint's reading), or None for
+    an image model."""
+    main = model.files.get("diffusion_model") or model.files.get("checkpoint")
+    header = getattr(main, "header", None)
+    if not isinstance(header, FileHeader):
+        return None
+    text = "t5xxl" in model.files or any(
+        n.startswith("text_encoders.t5xxl.")
+        for f in model.files.values()
+        for n in getattr(getattr(f, "header", None), "tensors", ())
+    )
+    return describe(header, text)
+
+
+def require_video_model(model: Model) -> VideoModel:
+    """`model`'s VideoModel; InvalidParameterError (parameter "model") for an image model."""
+    found = video_model(model)
+    if found is None:
+        raise InvalidParameterError(
+            "model",
+            f"{model.name!r} is not a video model: video jobs need a Wan diffusion model "
+            "(generate_video of the runtime); submit an image job for it instead",
+        )
+    return found
+
+
+def is_video_model(model: Model) -> bool:
+    """Whether `model` makes video only (the runtime has no image generation for it)."""
+    return video_model(model) is not None
+
+
+def refuse_video_model(model: Model) -> None:
+    """InvalidParameterError for an image job on a video model: the runtime's generate_image
+    does not run Wan models (sd_ctx_supports_image_generation is false for them)."""
+    found = video_model(model)
+    if found is not None:
+        raise InvalidParameterError(
+            "model",
+            f"{model.name!r} is a video model ({found.desc}): submit a video job "
+            "(sdfarm video, Farm.video, POST /v1/videos)",
+        )
+
+
+# -- results -----------------------------------------------------------------------------------
+
+
+@dataclass
+class VideoResult:
+    """A video job's frames (PIL images, in order), the animated WebP made of them, and
+    everything needed to reproduce and explain them. `images` and `extra` are what the
+    worker stores: the frames as PNGs, then the WebP."""
+
+    images: list[Image.Image]
+    webp: bytes
+    params: VideoParams
+    metadata: dict[str, Any]
+    records: list[logs.LogRecord] = field(default_factory=list)
+
+    @property
+    def extra(self) -> list[bytes]:
+        return [self.webp]
+
+    @property
+    def frames(self) -> list[Image.Image]:
+        return self.images
+
+
+def animated_webp(frames: list[Image.Image], fps: int) -> bytes:
+    """The frames as one animated WebP (lossless, looping; each frame 1000/fps ms)."""
+    buf = io.BytesIO()
+    frames[0].save(
+        buf,
+        format="WEBP",
+        save_all=True,
+        append_images=frames[1:],
+        duration=max(1, round(1000 / fps)),
+        loop=0,
+        lossless=True,
+        method=0,
+    )
+    return buf.getvalue()
+
+
+# -- the native call ---------------------------------------------------------------------------
+
+
+def generate_video(
+    engine: Engine,
+    params: VideoParams,
+    *,
+    progress: Callable[[int, int, float], None] | None = None,
+    log: LogConfig | None = None,
+    estimate: int | None = None,
+) -> VideoResult:
+    """Run `params` on `engine` (a loaded Wan model). Everything is checked first: the
+    parameters, that the model makes video and reads the images given, the estimate against
+    the host. InvalidParameterError / ModelTooLargeError before any native call,
+    GenerationError quoting the runtime's errors when it returns no frames."""
+    engine._check_usable()
+    params = validate(params)
+    vm = require_video_model(engine.model)
+    vm.refuse_images(params)
+    if params.encodes and not engine.model.can_encode:
+        raise InvalidParameterError(
+            "init_image", f"model {engine.model.name!r} has no VAE encoder for an input image"
+        )
+    need = estimate or engine.facts.video_estimate(
+        params.width, params.height, params.frames, params.encodes
+    )
+    verdict = engine._verdict
+    limit = verdict.refuse_figure
+    if verdict.action != "skip" and limit is not None and need > limit:
+        raise ModelTooLargeError(
+            f"{params.frames} frames of {params.width}x{params.height} need an estimated "
+            f"{memory.format_bytes(need)} for {engine.model.name!r}; this host has "
+            f"{memory.format_bytes(limit)}",
+            need,
+            verdict.figures,
+        )
+    lib = engine._lib
+    if not lib.sd_ctx_supports_video_generation(engine._ctx):
+        raise InvalidParameterError(
+            "model", f"the runtime loaded {engine.model.name!r} as a model without video"
+        )
+    cfg = log or engine._log
+    scrub = logs.Scrubber(
+        engine._path_roles, (params.prompt, params.negative_prompt), log_prompts=cfg.log_prompts
+    )
+    started = time.monotonic()
+    with engine._native_lock:
+        if log is not None:
+            engine._ring.configure(cfg.ring_bytes, cfg.native)
+        frames = _run(engine, params, progress)
+        raw = engine._drain_raw(scrub)
+    seconds = time.monotonic() - started
+    records = engine._take_records(raw, cfg)
+    if len(frames) != params.frames:
+        errors = [r.message for r in raw if r.level == "error"]
+        raise GenerationError(
+            f"the runtime returned {len(frames)} frames of {params.frames}"
+            + (": " + "; ".join(errors) if errors else " and logged no error"),
+            records=errors,
+        )
+    t = time.monotonic()
+    webp = animated_webp(frames, params.fps)
+    encode_s = time.monotonic() - t
+    warnings = [r.message for r in raw if r.level == "warn"]
+    if not vm.text_encoder:
+        warnings = [w for w in warnings if "No text encoders provided" not in w]
+        warnings.append(NO_PROMPT_WARNING)
+    if verdict.action == "warn":
+        warnings.insert(0, verdict.message)
+    metadata = {
+        **params.as_dict(),
+        "kind": "video",
+        "model": engine.model.name,
+        "video_model": vm.desc,
+        "backend": engine.capabilities.backend,
+        "device": engine.capabilities.device,
+        "sd_version": engine.capabilities.sd_version,
+        "seeds": None,
+        "estimate": need,
+        "webp_index": len(frames),
+        "warnings": warnings,
+        "timings": {"generate_s": round(seconds, 4), "webp_s": round(encode_s, 4)},
+    }
+    return VideoResult(frames, webp, params, metadata, records)
+
+
+def _run(
+    engine: Engine, params: VideoParams, progress: Callable[[int, int, float], None] | None
+) -> list[Image.Image]:
+    from sdfarm.native.engine import _enum_index
+    from sdfarm.native.images import pixels
+
+    ffi, lib = engine._ffi, engine._lib
+    g = ffi.new("sd_vid_gen_params_t*")
+    lib.sd_vid_gen_params_init(g)
+    prompt = ffi.new("char[]", params.prompt.encode())
+    negative = ffi.new("char[]", params.negative_prompt.encode())
+    g.prompt, g.negative_prompt = prompt, negative
+    g.width, g.height = params.width, params.height
+    g.seed = params.seed
+    g.video_frames = params.frames
+    g.sample_params.sample_steps = params.steps
+    g.sample_params.guidance.txt_cfg = params.cfg_scale
+    if params.sampler != "default":
+        g.sample_params.sample_method = _enum_index(
+            lib.sd_sample_method_name, params.sampler, lib.SAMPLE_METHOD_COUNT, ffi
+        )
+    if params.scheduler != "default":
+        g.sample_params.scheduler = _enum_index(
+            lib.sd_scheduler_name, params.scheduler, lib.SCHEDULER_COUNT, ffi
+        )
+    keep: list[Any] = []
+    for name in ("init_image", "end_image"):
+        data = getattr(params, name)
+        if data is None:
+            continue
+        raw, _resized = pixels(data, params.width, params.height, False)
+        buf = ffi.new("uint8_t[]", raw)
+        keep.append(buf)
+        setattr(
+            g, name, {"width": params.width, "height": params.height, "channel": 3, "data": buf}
+        )
+    engine.last_call = {
+        "kind": "video",
+        "prompt": ffi.string(g.prompt).decode(),
+        "width": g.width,
+        "height": g.height,
+        "frames": g.video_frames,
+        "steps": g.sample_params.sample_steps,
+        "seed": g.seed,
+        "cfg_scale": g.sample_params.guidance.txt_cfg,
+    }
+    lib.sdf_progress_reset()
+    done = threading.Event()
+    watcher = None
+    if progress is not None:
+        watcher = threading.Thread(
+            target=engine._watch_progress, args=(progress, None, done), daemon=True
+        )
+        watcher.start()
+    count = ffi.new("int*")
+    engine.native_calls += 1
+    try:
+        out = lib.generate_video(engine._ctx, g, count)
+    finally:
+        done.set()
+        if watcher is not None:
+            watcher.join()
+    if out == ffi.NULL:
+        return []
+    frames: list[Image.Image] = []
+    n = int(count[0])
+    try:
+        for i in range(n):
+            img = out[i]
+            if img.data == ffi.NULL or img.width == 0 or img.height == 0:
+                continue
+            size = img.width * img.height * img.channel
+            mode = {3: "RGB", 4: "RGBA", 1: "L"}.get(img.channel, "RGB")
+            frames.append(
+                Image.frombytes(mode, (img.width, img.height), bytes(ffi.buffer(img.data, size)))
+            )
+    finally:
+        # Each frame's pixels and the array are malloc'd apart (decode_video_outputs and
+        # tensor_to_sd_image in master-596).
+        _free_frames(ffi, lib, out, n)
+    return frames
+
+
+def _free_frames(ffi: Any, lib: Any, out: Any, n: int) -> None:
+    for i in range(n):
+        if out[i].data != ffi.NULL:
+            lib.free(out[i].data)
+    lib.free(out)

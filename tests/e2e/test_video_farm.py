@@ -1,0 +1,185 @@
+"""Video jobs on a real LocalFarm (one CPU worker, the random-weight Wan2.1 T2V test model beside
+the tiny image models): the result is the frames as PNGs then the animated WebP, placed by the
+video estimate; the same seed through the gateway gives the same frames; bad input (an image
+model asked for video, a video model for an image) is refused at submit, and a job that
+slips past the client is refused by the worker before any native
+call, the worker going on; a Wan model the runtime would abort on is reported bad and never
+loaded. `sdfarm video` reaches the same farm."""
+
+from __future__ import annotations
+
+import io
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from PIL import Image
+
+from sdfarm.client.errors import JobFailed, UnknownModelError
+from sdfarm.client.farm import Farm
+from sdfarm.native import video_params
+from sdfarm.native.errors import InvalidParameterError
+from sdfarm.native.estimate import ModelFacts
+from sdfarm.native.params import GenerationParams, detach_images, validate
+from sdfarm.native.png import read_params
+from sdfarm.store import JobSpec
+
+from helpers.gateway import served_gateway
+from helpers.videomodels import fake_wan
+
+pytestmark = pytest.mark.e2e
+
+WAN = "wan-t2v-test"
+SMALL = {"width": 32, "height": 32, "frames": 5, "steps": 1, "cfg_scale": 1.0}
+
+
+@pytest.fixture(scope="module")
+def farm(
+    models_dir: Path, wan_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Any]:
+    from sdfarm.localfarm.farm import LocalFarm
+
+    bad = tmp_path_factory.mktemp("badwan")
+    fake_wan(bad / "wan-31", 31)
+    farm = LocalFarm(
+        [models_dir, wan_model.parent, bad],
+        devices=["CPU"],
+        threads=2,
+        host="videohost",
+        announce=False,
+        worker_args=["--memory-limit", "6GiB"],
+    )
+    with farm:
+        yield farm
+
+
+@pytest.fixture
+def client(farm: Any) -> Iterator[Farm]:
+    with Farm(farm.url, submitter="video-tests") as f:
+        yield f
+
+
+def png(color: tuple[int, int, int] = (10, 200, 30)) -> bytes:
+    buf = io.BytesIO()
+    Image.new("RGB", (32, 32), color).save(buf, "PNG")
+    return buf.getvalue()
+
+
+def test_a_video_job_returns_its_frames_and_webp(client: Farm, farm: Any, tmp_path: Path) -> None:
+    job = client.video(WAN, "a cat", seed=5, fps=8, **SMALL)
+    result = job.result(300)
+    assert result.metadata["kind"] == "video" and len(result.frames) == 5
+    for i, frame in enumerate(result.frames):
+        assert Image.open(io.BytesIO(frame)).size == (32, 32)
+        stored = read_params(frame)
+        assert stored["frame"] == i and stored["frames"] == 5 and stored["seed"] == 5
+    assert result.webp is not None
+    webp = Image.open(io.BytesIO(result.webp))
+    webp.load()
+    assert webp.n_frames == 5 and webp.size == (32, 32) and webp.info["duration"] == 125  # 8 fps
+    record = client.store.record(job.id)
+    assert record["kind"] == "video" and record["model"] == WAN
+    hb = next(iter(client._heartbeats(fresh=True).values()))
+    facts = ModelFacts.from_json(hb["models"][WAN])
+    assert int(record["estimate"]) == facts.video_estimate(32, 32, 5)  # placed as a video
+    written = result.save_video(tmp_path / "v")
+    assert [p.name for p in written][-2:] == ["frame-0004.png", "video.webp"]
+    # the same seed through the gateway: the same frames
+    with served_gateway(farm.url, ["tok"], 60) as base:
+        auth = {"Authorization": "Bearer tok"}
+        body = {"model": WAN, "prompt": "a cat", "seed": 5, "fps": 8, **SMALL}
+        r = httpx.post(f"{base}/v1/videos", json=body, headers=auth, timeout=30)
+        assert r.status_code == 202, r.text
+        job_id = r.json()["id"]
+        doc: dict[str, Any] = {}
+        deadline = time.monotonic() + 300
+        while doc.get("state") not in ("done", "failed") and time.monotonic() < deadline:
+            time.sleep(0.5)
+            doc = httpx.get(f"{base}/v1/jobs/{job_id}", headers=auth, timeout=30).json()
+        assert doc["state"] == "done" and doc["kind"] == "video", doc
+        assert doc["images"] == 5 and doc["video_url"] == f"/v1/jobs/{job_id}/video.webp"
+        frames = [httpx.get(base + u, headers=auth, timeout=30).content for u in doc["image_urls"]]
+        assert frames == result.frames
+        got = httpx.get(base + doc["video_url"], headers=auth, timeout=30)
+        assert got.headers["content-type"] == "image/webp" and got.content == result.webp
+        r = httpx.post(f"{base}/v1/videos", json={**body, "frames": 6}, headers=auth, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "frames", r.text
+
+
+def test_bad_input_is_refused_at_submit(client: Farm) -> None:
+    for name, change in {
+        "frames": {"frames": 4},
+        "width": {"width": 40},
+        "init_image": {"init_image": b"not an image"},
+    }.items():
+        with pytest.raises(InvalidParameterError) as err:
+            client.video(WAN, "x", **{**SMALL, **change})
+        assert err.value.parameter == name
+    with pytest.raises(InvalidParameterError):
+        client.video(WAN, "x", **{**SMALL, "frames": 165})
+    with pytest.raises(InvalidParameterError, match="not a video model") as err:
+        client.video("tiny-f16", "x", **SMALL)
+    assert err.value.parameter == "model"
+    with pytest.raises(InvalidParameterError, match="is a video model") as err:
+        client.submit(WAN, "x", width=64, height=64, steps=1)
+    assert err.value.parameter == "model"
+    with pytest.raises(UnknownModelError):  # the worker reports it bad, never loads it
+        client.video("wan-31", "x", **SMALL)
+    hb = next(iter(client._heartbeats(fresh=True).values()))
+    assert "31 layers" in hb["bad_models"]["wan-31"]
+
+
+def test_a_job_past_the_client_is_refused_by_the_worker_which_survives(client: Farm) -> None:
+    good, _ = video_params.detach(video_params.validate(video_params.VideoParams("x", **SMALL)))
+    with_init, inputs = video_params.detach(
+        video_params.validate(video_params.VideoParams("x", **SMALL, init_image=png()))
+    )
+    cases: list[tuple[str, dict[str, Any], dict[str, bytes], str]] = [
+        (WAN, {**good, "frames": 4}, {}, "invalid frames"),
+        (WAN, {**good, "frames": 165}, {}, "invalid frames"),
+        (WAN, {**good, "width": 40}, {}, "invalid width"),
+        (WAN, with_init, inputs, "invalid init_image: Wan2.1-T2V-1.3B takes no init_image"),
+        ("tiny-f16", good, {}, "invalid model: 'tiny-f16' is not a video model"),
+    ]
+    for model, params, images, error in cases:
+        spec = JobSpec(model=model, params=params, kind="video")
+        with pytest.raises(JobFailed, match=error):
+            client.submit_spec(spec, images).result(120)
+    # an image job for the video model: refused before its engine loads
+    image, _ = detach_images(validate(GenerationParams("x", width=64, height=64, steps=1)))
+    with pytest.raises(JobFailed, match="is a video model"):
+        client.submit_spec(JobSpec(model=WAN, params=image)).result(120)
+    # the same worker goes on: an image job, then a video
+    done = client.submit("tiny-f16", "a cat", width=64, height=64, steps=1, seed=1).result(120)
+    assert Image.open(io.BytesIO(done.png)).size == (64, 64)
+    assert len(client.video(WAN, "x", seed=2, **SMALL).result(300).frames) == 5
+
+
+def test_the_cli_makes_a_video_on_the_farm(farm: Any, tmp_path: Path) -> None:
+    out = tmp_path / "clip"
+    done = subprocess.run(
+        [sys.executable, "-m", "sdfarm.cli.main", "video", WAN, "a cat", "--frames", "5",
+         "--width", "32", "--height", "32", "--steps", "1", "--seed", "9", "--cfg-scale", "1",
+         "--redis", farm.url, "--out", str(out), "--json"],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    doc = json.loads(done.stdout)
+    assert doc["job"] and doc["kind"] == "video" and doc["frames"] == 5
+    assert sorted(p.name for p in out.iterdir()) == [
+        *(f"frame-{i:04d}.png" for i in range(5)),
+        "video.webp",
+    ]
+    assert Image.open(out / "video.webp").n_frames == 5
+    bad = subprocess.run(
+        [sys.executable, "-m", "sdfarm.cli.main", "video", WAN, "x", "--frames", "6",
+         "--redis", farm.url, "--out", str(tmp_path / "no")],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert bad.returncode != 0 and "frames" in bad.stderr and not (tmp_path / "no").exists()
