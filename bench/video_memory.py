@@ -1,11 +1,13 @@
-"""Peak memory of a video job on the CPU against its estimate (`ModelFacts.video_estimate`).
+"""Peak memory of a video job against its estimate (`ModelFacts.video_estimate`).
 
 Each case runs in a fresh process: load the random-weight Wan2.1 T2V 1.3B test model
 (sdfarm.native.wantestmodel, cached), make one video (1 step, cfg 1), encode its frames as
-PNGs and the animated WebP as the worker does, and report the process's peak RSS (ru_maxrss)
-beside the job's estimate, the load and generate times.
+PNGs and the animated WebP as the worker does, and report the peak beside the job's estimate,
+the load and generate times. On the CPU the peak is the process's peak RSS (ru_maxrss); on a
+CUDA device it is nvidia-smi's memory.used, sampled every 50 ms by the parent while the child
+runs, less its reading before.
 
-    python bench/video_memory.py [--out FILE]
+    python bench/video_memory.py [--device CUDA0] [--cases 480x832x17,...] [--out FILE]
 """
 
 from __future__ import annotations
@@ -29,17 +31,17 @@ CASES = (
 )
 
 
-def child(w: int, h: int, frames: int) -> dict:
-    """One case in this process: the peak RSS, the estimate and the times."""
+def child(w: int, h: int, frames: int, device: str, model: str) -> dict:
+    """One case in this process: the peak RSS, the estimate and the times. numpy stays out
+    of this process before the runtime loads (on the H200 host that crashed it: docs/gpu.md),
+    so the model is written by another process first (`test_model`)."""
     import resource
 
     from sdfarm.native.engine import Engine
     from sdfarm.native.png import png_bytes
-    from sdfarm.native.wantestmodel import cached_wan_test_model
 
-    model = cached_wan_test_model()
     t = time.monotonic()
-    with Engine.load(model, device="cpu", threads=2) as engine:
+    with Engine.load(model, device=device, threads=2) as engine:
         load_s = time.monotonic() - t
         t = time.monotonic()
         result = engine.video(
@@ -66,19 +68,91 @@ def child(w: int, h: int, frames: int) -> dict:
     }
 
 
+def gpu_used_mib(index: int) -> float | None:
+    import shutil
+
+    if shutil.which("nvidia-smi") is None:
+        return None
+    out = subprocess.run(
+        ["nvidia-smi", f"--id={index}", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+        capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    try:
+        return float(out.stdout.strip().splitlines()[0])
+    except (ValueError, IndexError):
+        return None
+
+
+def test_model() -> str:
+    """The cached Wan test model's folder, written (numpy) in a process of its own."""
+    code = "from sdfarm.native.wantestmodel import cached_wan_test_model as m; print(m())"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return out.stdout.strip().splitlines()[-1]
+
+
+def run_case(w: int, h: int, frames: int, device: str, model: str) -> dict:
+    """A case in a child process; on CUDA, its GPU peak sampled from here."""
+    import threading
+
+    cmd = [sys.executable, __file__, "--child", str(w), str(h), str(frames), "--device", device,
+           "--model", model]  # fmt: skip
+    gpu = int(device[4:] or 0) if device.upper().startswith("CUDA") else None
+    base = gpu_used_mib(gpu) if gpu is not None else None
+    peak = [base or 0.0]
+    stop = threading.Event()
+
+    def sample() -> None:
+        while not stop.wait(0.05):
+            used = gpu_used_mib(gpu) if gpu is not None else None
+            if used is not None:
+                peak[0] = max(peak[0], used)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    if gpu is not None:
+        sampler.start()
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    finally:
+        stop.set()
+    row = json.loads(out.stdout.strip().splitlines()[-1])
+    if gpu is not None and base is not None:
+        row["peak_rss_host"] = row["peak_rss"]
+        row["peak_gpu"] = int((peak[0] - base) * 2**20)
+        row["peak_rss"] = row["peak_gpu"]  # the figure the estimate is for on a GPU
+        row["covered"] = row["estimate"] >= row["peak_gpu"]
+        row["estimate_over_peak"] = round(row["estimate"] / max(1, row["peak_gpu"]), 2)
+    return row
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", help="write the results as JSON here")
+    ap.add_argument("--device", default="cpu", help="cpu (default) or CUDA0, ...")
+    ap.add_argument("--cases", default=None, help="WxHxFRAMES,... (default: the CPU table)")
+    ap.add_argument("--deadline", type=float, default=None, help="no new case after this (s)")
     ap.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
+    ap.add_argument("--model", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        print(json.dumps(child(*(int(x) for x in args.child))))
+        w, h, frames = (int(x) for x in args.child)
+        print(json.dumps(child(w, h, frames, args.device, args.model)))
         return 0
+    model = test_model()
+    cases = CASES
+    if args.cases:
+        cases = tuple(tuple(int(x) for x in c.split("x")) for c in args.cases.split(","))
+    t0 = time.monotonic()
     rows = []
-    for w, h, frames in CASES:
-        cmd = [sys.executable, __file__, "--child", str(w), str(h), str(frames)]
-        out = subprocess.run(cmd, capture_output=True, text=True, check=True)
-        row = json.loads(out.stdout.strip().splitlines()[-1])
+    for w, h, frames in cases:
+        if args.deadline is not None and time.monotonic() - t0 > args.deadline:
+            print(f"{w}x{h}x{frames}: skipped (deadline)", flush=True)
+            continue
+        try:
+            row = run_case(w, h, frames, args.device, model)
+        except subprocess.CalledProcessError as exc:
+            print(f"{w}x{h}x{frames}: failed: {(exc.stderr or '')[-800:]}", flush=True)
+            rows.append({"size": f"{w}x{h}", "frames": frames, "failed": True, "covered": False})
+            continue
         rows.append(row)
         print(
             f"{row['size']:>8} x {row['frames']:>2} frames  peak {row['peak_rss'] / 2**20:7.1f} "
@@ -90,7 +164,10 @@ def main() -> int:
         "what": "peak RSS of one video job (fresh process, frames PNG-encoded, animated WebP) "
         "vs ModelFacts.video_estimate; random-weight Wan2.1 T2V 1.3B (q4_0 DiT, f16 VAE, no "
         "T5), 1 step, cfg 1",
-        "device": "CPU",
+        "device": args.device,
+        "peak": "nvidia-smi memory.used above its reading before the case"
+        if args.device.upper().startswith("CUDA")
+        else "the process's peak RSS",
         "threads": 2,
         "rows": rows,
         "all_covered": all(r["covered"] for r in rows),
