@@ -17,11 +17,11 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import fields
+from dataclasses import asdict, fields, replace
 from typing import Any
 
-from sdfarm.native import images, logs, upscale_params
-from sdfarm.native.engine import LogConfig
+from sdfarm.native import enginekey, images, logs, upscale_params
+from sdfarm.native.engine import LogConfig, ModelWith, check_extras, extras_bytes
 from sdfarm.native.errors import EngineError, InvalidParameterError, ModelTooLargeError
 from sdfarm.native.estimate import model_facts, upscaler_facts
 from sdfarm.native.params import IMAGE_PARAMS, attach_images, from_mapping, validate
@@ -134,8 +134,20 @@ class JobRun:
     def _prepare_generate(self, spec: JobSpec, claimed: Claim) -> tuple[Any, Callable[[], Any]]:
         """A generation's checked parameters, model, LoRAs and engine: (engine, the call)."""
         params = validate(from_mapping(self._with_inputs(spec.params)))
-        model = self.ctx.catalog.load(spec.model)
+        # The job's model may be an engine key (sdfarm.native.enginekey): the model with a
+        # ControlNet and embeddings, which its engine is loaded with.
+        key = enginekey.parse(spec.model)
+        if key is None:
+            raise InvalidParameterError("model", f"{spec.model!r} is not a model's engine")
+        enginekey.check_key(spec.model, key.model, asdict(params))
+        model = self.ctx.catalog.load(key.model)
+        control_net = self.ctx.controlnets.load(key.control_net) if key.control_net else None
+        embeddings = tuple(self.ctx.embeddings.load(n) for n in key.embeddings)
+        check_extras(model, control_net, embeddings)
         facts = model_facts(model, self.ctx.config.device)
+        facts = replace(facts, bytes=facts.bytes + extras_bytes(control_net, embeddings))
+        if not key.plain:
+            model = ModelWith(model, control_net, embeddings)
         loras = {name: self.ctx.loras.load(name) for name, _ in params.loras}
         extra = sum(f.size for f in loras.values())
         ups = {}
