@@ -106,6 +106,10 @@ def cmd_make_test_model(args: argparse.Namespace) -> int:
     from sdfarm.native.testmodel import make_test_model
 
     dirs = make_test_model(Path(args.dir))
+    if args.sd1:
+        from sdfarm.native.sd1model import make_sd1_test_model
+
+        dirs.append(make_sd1_test_model(Path(args.dir)))
     if args.json:
         emit({"models": [str(d) for d in dirs]})
     else:
@@ -190,6 +194,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     m = sub.add_parser("make-test-model", help="write the tiny random-weight test model")
     m.add_argument("dir")
+    m.add_argument(
+        "--sd1",
+        action="store_true",
+        help="also a random-weight SD 1.x model (q4_0, 1.5 GB) with a ControlNet "
+        "(controlnets/sd1-control, 0.5 GB) and embeddings (embeddings/sd1-emb*): the tiny model "
+        "takes neither",
+    )
     m.add_argument("--json", action="store_true")
     m.set_defaults(func=cmd_make_test_model)
 
