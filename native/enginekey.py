@@ -92,6 +92,30 @@ def check_key(key: str, model: str, params: Mapping[str, Any]) -> None:
         raise InvalidParameterError("model", f"the job's engine {key!r} is not {want!r}")
 
 
+def unknown_error(key: str, heartbeats: Mapping[str, Mapping[str, Any]], models: list[str]) -> str:
+    """Why no live worker can load engine `key`: its model, ControlNet or an embedding is
+    unknown (the scheduler fails such a job with this)."""
+    parts = parse(key)
+    if parts is None:
+        return f"invalid engine {key!r}"
+
+    def have(field: str) -> list[str]:
+        return sorted({str(n) for hb in heartbeats.values() for n in hb.get(field) or {}})
+
+    if parts.model not in models:
+        return f"unknown model {parts.model!r}: no live worker has it; the farm has: " + (
+            ", ".join(models) or "no models"
+        )
+    if parts.control_net and parts.control_net not in have("controlnets"):
+        return f"unknown ControlNet {parts.control_net!r}: no live worker has it; the farm " + (
+            f"has: {', '.join(have('controlnets')) or 'no ControlNets'}"
+        )
+    missing = [n for n in parts.embeddings if n not in have("embeddings")]
+    return f"unknown embedding {missing[0] if missing else '?'!r}: no live worker has it; " + (
+        f"the farm has: {', '.join(have('embeddings')) or 'no embeddings'}"
+    )
+
+
 def extra_bytes(
     key: EngineKey, controlnets: Mapping[str, int], embeddings: Mapping[str, int]
 ) -> int | None:

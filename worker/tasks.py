@@ -140,6 +140,8 @@ class JobRun:
         if key is None:
             raise InvalidParameterError("model", f"{spec.model!r} is not a model's engine")
         enginekey.check_key(spec.model, key.model, asdict(params))
+        if not key.plain:  # the result names the model, and the engine it ran on
+            self.meta.update(model=key.model, engine=spec.model)
         model = self.ctx.catalog.load(key.model)
         control_net = self.ctx.controlnets.load(key.control_net) if key.control_net else None
         embeddings = tuple(self.ctx.embeddings.load(n) for n in key.embeddings)
