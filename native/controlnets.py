@@ -95,6 +95,27 @@ def check_controlnet(name: str, path: Path) -> ControlNetFile:
     return ControlNetFile(name, path, header.file_size, resident_bytes(header), widths.pop())
 
 
+def unet_refusal(header: FileHeader, arch: str) -> str | None:
+    """Why the runtime cannot apply a ControlNet to the diffusion model of `header` (of
+    architecture `arch`, sdfarm.native.roles.guess_architecture), or None when it can. The
+    runtime builds the full SD 1.x/2.x/XL ControlNet whatever the UNet is and adds its outputs
+    to the UNet's skips: the tiny UNet and SDXS (one res block a level, three levels, no
+    middle block) get 13 outputs for 6 skips, 1280 channels onto 640, and ggml aborts the
+    process; the UNets without a middle attention block (SSD-1B, Vega) have other skips too."""
+    if arch not in ARCH_CONTEXT:
+        return (
+            f"its architecture is {arch}: the runtime applies ControlNet to SD 1.x, 2.x and XL "
+            "UNets only"
+        )
+    if not any(".middle_block.1." in f".{n}" for n in header.tensors):
+        return (
+            "its UNet has no middle attention block (a tiny UNet, SDXS, SSD-1B or Vega): the "
+            "runtime's ControlNet is the full UNet's, whose outputs do not fit its skips (the "
+            "process would abort)"
+        )
+    return None
+
+
 def controlnet_dirs(
     models_dirs: Iterable[str | os.PathLike[str]], given: Iterable[str] = ()
 ) -> list[Path]:

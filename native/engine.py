@@ -20,7 +20,7 @@ from typing import Any
 from PIL import Image
 
 from sdfarm.native import images, logs, memory
-from sdfarm.native.controlnets import ARCH_CONTEXT, ControlNetFile
+from sdfarm.native.controlnets import ARCH_CONTEXT, ControlNetFile, unet_refusal
 from sdfarm.native.devices import (
     Device,
     HostFigures,
@@ -138,13 +138,12 @@ def check_extras(
     main = model.files.get("checkpoint") or model.files.get("diffusion_model")
     arch = guess_architecture(main.header) if main is not None else "unknown"
     if control_net is not None:
-        want = ARCH_CONTEXT.get(arch)
-        if want is None:
+        why = unet_refusal(main.header, arch) if main is not None else "it has no UNet"
+        if why is not None:
             raise InvalidParameterError(
-                "control_net",
-                f"model {model.name!r} ({arch}) cannot use a ControlNet: the runtime applies "
-                "ControlNet to SD 1.x, 2.x and XL UNets only",
+                "control_net", f"model {model.name!r} cannot use a ControlNet: {why}"
             )
+        want = ARCH_CONTEXT[arch]
         if control_net.context_dim != want:
             raise InvalidParameterError(
                 "control_net",

@@ -11,10 +11,15 @@ from safetensors.numpy import save_file
 
 from sdfarm.native import enginekey
 from sdfarm.native.catalog import Catalog
-from sdfarm.native.controlnets import ControlNetCatalog, controlnet_dirs, resident_bytes
+from sdfarm.native.controlnets import (
+    ControlNetCatalog,
+    controlnet_dirs,
+    resident_bytes,
+    unet_refusal,
+)
 from sdfarm.native.embeddings import TABLE_BYTES, EmbeddingCatalog, embedding_dirs
 from sdfarm.native.errors import InvalidParameterError, ModelLoadError
-from sdfarm.native.headers import validate_header
+from sdfarm.native.headers import FileHeader, TensorInfo, validate_header
 from sdfarm.native.params import GenerationParams, validate
 from sdfarm.scheduler.registry import Snapshot, model_facts
 
@@ -59,6 +64,20 @@ def test_a_controlnet_is_checked_by_its_tensor_names_and_width(tmp_path: Path) -
     with pytest.raises(ModelLoadError, match="not a ControlNet's"):
         cat.load("lora")
     assert sorted(cat.all()) == ["canny", "xl"]  # what a heartbeat lists
+
+
+def test_only_a_full_sd_unet_takes_a_controlnet() -> None:
+    def header(*names: str) -> FileHeader:
+        tensors = {n: TensorInfo("F16", (4, 4), 32) for n in names}
+        return FileHeader("gguf", tensors, 0, 0, 0)
+
+    full = header("model.diffusion_model.input_blocks.1.0.in_layers.0.weight",
+                  "model.diffusion_model.middle_block.1.norm.weight")  # fmt: skip
+    tiny = header("model.diffusion_model.input_blocks.1.0.in_layers.0.weight",
+                  "model.diffusion_model.output_blocks.0.0.in_layers.0.weight")  # fmt: skip
+    assert unet_refusal(full, "sd1") is None and unet_refusal(full, "sdxl") is None
+    assert "would abort" in (unet_refusal(tiny, "sd1") or "")
+    assert "flux" in (unet_refusal(full, "flux") or "")
 
 
 def test_names_resolve_only_inside_the_folders(tmp_path: Path) -> None:
