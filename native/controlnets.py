@@ -36,6 +36,10 @@ ROLE = "control_net"
 ARCH_CONTEXT = {"sd1": 768, "sd2": 1024, "sdxl": 2048}
 """The UNet architectures (sdfarm.native.roles.guess_architecture) a ControlNet applies to,
 with the cross-attention width each one's ControlNet must have."""
+CONTROL_HEADS = 8
+"""The attention heads of a ControlNet's first attention layers as the estimate counts them:
+SD 1.x's 8 at 1/8 of each side (SD 2.x has 5 there, SDXL 10 at 1/16 of each side, a quarter of
+SD 1.x's bytes), so 8 covers the three (`ModelFacts.control_working`)."""
 MARKS = ("input_hint_block.0.weight", "zero_convs.0.0.weight", "middle_block_out.0.weight")
 _PREFIX = re.compile(r"^(?:control_model\.)")  # the runtime strips it (name_conversion.cpp)
 _ATTN_K = re.compile(r"attn2\.to_k\.weight$")

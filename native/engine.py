@@ -13,14 +13,19 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from PIL import Image
 
 from sdfarm.native import images, logs, memory
-from sdfarm.native.controlnets import ARCH_CONTEXT, ControlNetFile, unet_refusal
+from sdfarm.native.controlnets import (
+    ARCH_CONTEXT,
+    CONTROL_HEADS,
+    ControlNetFile,
+    unet_refusal,
+)
 from sdfarm.native.devices import (
     Device,
     HostFigures,
@@ -232,7 +237,7 @@ class Engine:
         w, h = self.model.native_size
         facts = model_facts(self.model, planned)
         extra = extras_bytes(control_net, tuple(self.embeddings.values()))
-        self.facts: ModelFacts = replace(facts, bytes=facts.bytes + extra)
+        self.facts: ModelFacts = facts.with_extras(extra, CONTROL_HEADS if control_net else 0)
         estimate = self.facts.resident()
         verdict = memory.check_memory(estimate, figs, device, pinned=pinned, enabled=check_memory)
         memory.raise_if_refused(verdict)

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from sdfarm.native import enginekey
+from sdfarm.native.controlnets import CONTROL_HEADS
 from sdfarm.native.estimate import Facts, ModelFacts, UpscalerFacts
 from sdfarm.scheduler.placement import DeviceState, LoadedModel
 from sdfarm.store import FarmReading, Store
@@ -251,7 +252,9 @@ def key_facts(
             for n, size in (hb.get(field_name) or {}).items():
                 into[str(n)] = max(into.get(str(n), 0), _int(size))
     extra = enginekey.extra_bytes(key, controlnets, embeddings)
-    return None if extra is None else replace(facts, bytes=facts.bytes + extra)
+    if extra is None:
+        return None
+    return facts.with_extras(extra, CONTROL_HEADS if key.control_net else 0)
 
 
 def farm_upscalers(heartbeats: Mapping[str, Mapping[str, Any]]) -> list[str]:

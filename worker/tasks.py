@@ -17,10 +17,11 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, fields, replace
+from dataclasses import asdict, fields
 from typing import Any
 
 from sdfarm.native import enginekey, images, logs, upscale_params
+from sdfarm.native.controlnets import CONTROL_HEADS
 from sdfarm.native.engine import LogConfig, ModelWith, check_extras, extras_bytes
 from sdfarm.native.errors import EngineError, InvalidParameterError, ModelTooLargeError
 from sdfarm.native.estimate import model_facts, upscaler_facts
@@ -147,7 +148,8 @@ class JobRun:
         embeddings = tuple(self.ctx.embeddings.load(n) for n in key.embeddings)
         check_extras(model, control_net, embeddings)
         facts = model_facts(model, self.ctx.config.device)
-        facts = replace(facts, bytes=facts.bytes + extras_bytes(control_net, embeddings))
+        heads = CONTROL_HEADS if control_net is not None else 0
+        facts = facts.with_extras(extras_bytes(control_net, embeddings), heads)
         if not key.plain:
             model = ModelWith(model, control_net, embeddings)
         loras = {name: self.ctx.loras.load(name) for name, _ in params.loras}

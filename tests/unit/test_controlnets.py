@@ -12,6 +12,7 @@ from safetensors.numpy import save_file
 from sdfarm.native import enginekey
 from sdfarm.native.catalog import Catalog
 from sdfarm.native.controlnets import (
+    CONTROL_HEADS,
     ControlNetCatalog,
     controlnet_dirs,
     resident_bytes,
@@ -165,6 +166,14 @@ def test_the_scheduler_adds_a_keys_controlnet_and_embeddings_to_its_model() -> N
     key = "sd15+control:canny+embeddings:e"
     facts = model_facts(hbs, key)
     assert facts is not None and facts.bytes == 1000 + 600 + 7 + TABLE_BYTES  # largest copy
+    assert facts.control_heads == CONTROL_HEADS  # its attention counted (no flash attention)
+    tokens = (512 // 8) ** 2
+    plain = model_facts(hbs, "sd15+embeddings:e")
+    assert plain is not None and plain.control_heads == 0
+    assert facts.estimate(512, 512) - plain.estimate(512, 512) == (
+        600 + 600 // 4 + CONTROL_HEADS * tokens * tokens * 4
+    )
+    assert facts.control_working(1024, 1024) == 16 * facts.control_working(512, 512)
     assert Snapshot(heartbeats=hbs).model_facts(key) == facts
     assert model_facts(hbs, "sd15+control:depth") is None  # no worker has it
     assert model_facts(hbs, "sd14+control:canny") is None
