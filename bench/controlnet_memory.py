@@ -88,7 +88,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", help="a models dir holding sd1-tiny (default: the test cache)")
     ap.add_argument("--out", help="write the results as JSON here")
-    ap.add_argument("--sizes", default="64,256,512")
+    ap.add_argument("--sizes", default="64,256,512,768")
     ap.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
