@@ -105,7 +105,9 @@ def unet_refusal(header: FileHeader, arch: str) -> str | None:
     runtime builds the full SD 1.x/2.x/XL ControlNet whatever the UNet is and adds its outputs
     to the UNet's skips: the tiny UNet and SDXS (one res block a level, three levels, no
     middle block) get 13 outputs for 6 skips, 1280 channels onto 640, and ggml aborts the
-    process; the UNets without a middle attention block (SSD-1B, Vega) have other skips too."""
+    process (measured by bench/controlnet_tiny_unet.py: the tiny UNet generates alone, and
+    with the SD 1.x ControlNet dies of `GGML_ASSERT(ggml_can_repeat(b, a))`, SIGABRT); the
+    UNets without a middle attention block (SSD-1B, Vega) have other skips too."""
     if arch not in ARCH_CONTEXT:
         return (
             f"its architecture is {arch}: the runtime applies ControlNet to SD 1.x, 2.x and XL "

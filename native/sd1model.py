@@ -8,7 +8,8 @@ channels, CLIP ViT-L/14 12 layers, 768 wide), so this is the real architecture w
 weights. The smaller SD 1.x variants it detects (the tiny UNet of BK-SDM, SDXS) build the UNet
 with one res block a level, three levels and no middle block, while the ControlNet stays the
 full SD 1.x encoder (13 outputs, the middle one at 1/8 size): its outputs cannot be added to
-that UNet's 6 skips, so ControlNet needs the full UNet.
+that UNet's 6 skips (bench/controlnet_tiny_unet.py: the runtime aborts), so ControlNet
+needs the full UNet.
 
 To keep it small and fast to write and load:
 - one GGUF checkpoint `sd1.gguf` (UNet `model.diffusion_model.*` + CLIP-L
@@ -144,6 +145,39 @@ def unet_specs(p: str = "model.diffusion_model.") -> list[Spec]:
             if level and i == RES:
                 out += _conv(f"{blk}.{sub}.conv", ch, ch)
             idx += 1
+    return out + _norm(f"{p}out.0", ch) + _conv(f"{p}out.2", 4, ch)
+
+
+def tiny_unet_specs(p: str = "model.diffusion_model.") -> list[Spec]:
+    """The SD 1.x tiny UNet (BK-SDM-Tiny) as unet.hpp builds it: one res block a level, three
+    levels, no middle block, an index skipped after each level's res block (and at the second
+    output upsample). Not part of the test model: bench/controlnet_tiny_unet.py shows the
+    runtime aborting when it is given the SD 1.x ControlNet."""
+    emb, mult = MC * 4, (1, 2, 4)
+    out = _linear(f"{p}time_embed.0", emb, MC) + _linear(f"{p}time_embed.2", emb, emb)
+    out += _conv(f"{p}input_blocks.0.0", MC, 4)
+    skips, ch, idx = [MC], MC, 0
+    for level, m in enumerate(mult):
+        idx += 1
+        out += _resblock(f"{p}input_blocks.{idx}.0", ch, MC * m, emb)
+        ch = MC * m
+        out += _transformer(f"{p}input_blocks.{idx}.1", ch, CONTEXT)
+        skips.append(ch)
+        idx += 1  # the tiny UNet skips an index
+        if level != len(mult) - 1:
+            idx += 1
+            out += _conv(f"{p}input_blocks.{idx}.0.op", ch, ch)
+            skips.append(ch)
+    oidx = 0
+    for level in reversed(range(len(mult))):
+        for j in range(2):
+            out += _resblock(f"{p}output_blocks.{oidx}.0", ch + skips.pop(), MC * mult[level], emb)
+            ch = MC * mult[level]
+            out += _transformer(f"{p}output_blocks.{oidx}.1", ch, CONTEXT)
+            if level and j == 1:
+                oidx += 1
+                out += _conv(f"{p}output_blocks.{oidx}.{1 if oidx == 2 else 2}.conv", ch, ch)
+            oidx += 1
     return out + _norm(f"{p}out.0", ch) + _conv(f"{p}out.2", 4, ch)
 
 
