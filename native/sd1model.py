@@ -361,12 +361,12 @@ def make_sd1_test_model(out_dir: str | os.PathLike[str]) -> Path:
 
 
 def cache_root() -> Path:
-    """Where generated test models are kept between runs (`$SDFARM_CACHE` or
-    ~/.cache/sdfarm, beside the runtime build)."""
-    base = os.environ.get("SDFARM_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "sdfarm"
-    )
-    return Path(base) / "testmodels"
+    """Where generated test models are kept between runs: `testmodels/` in the runtime's
+    cache (sdfarm.native.build.cache_root: `$SDFARM_CACHE` or ~/.cache/sdfarm), which CI
+    keeps for the build anyway."""
+    from sdfarm.native.build import cache_root as build_cache
+
+    return build_cache() / "testmodels"
 
 
 def ensure_sd1_test_model(root: str | os.PathLike[str] | None = None) -> Path:
