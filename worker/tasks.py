@@ -137,9 +137,8 @@ class JobRun:
         params = validate(from_mapping(self._with_inputs(spec.params)))
         # The job's model may be an engine key (sdfarm.native.enginekey): the model with a
         # ControlNet and embeddings, which its engine is loaded with.
-        key = enginekey.parse(spec.model)
-        if key is None:
-            raise InvalidParameterError("model", f"{spec.model!r} is not a model's engine")
+        # (Not a key: taken as a model's name, which the catalog refuses when it is not one.)
+        key = enginekey.parse(spec.model) or enginekey.EngineKey(spec.model)
         enginekey.check_key(spec.model, key.model, asdict(params))
         if not key.plain:  # the result names the model, and the engine it ran on
             self.meta.update(model=key.model, engine=spec.model)
