@@ -152,6 +152,16 @@ class Farm:
         """The names of the LoRAs some live worker has, sorted."""
         return sorted(farm_loras(self._heartbeats(fresh=True)))
 
+    def controlnets(self) -> list[str]:
+        """The names of the ControlNets some live worker has, sorted."""
+        hbs = self._heartbeats(fresh=True)
+        return sorted({str(n) for hb in hbs.values() for n in hb.get("controlnets") or {}})
+
+    def embeddings(self) -> list[str]:
+        """The names of the textual-inversion embeddings some live worker has, sorted."""
+        hbs = self._heartbeats(fresh=True)
+        return sorted({str(n) for hb in hbs.values() for n in hb.get("embeddings") or {}})
+
     # -- submitting ---------------------------------------------------------------------------
 
     def submit(

@@ -91,6 +91,7 @@ def test_a_control_job_runs_on_its_engine_key_and_repeats(client: Farm) -> None:
     other = client.submit(MODEL, "a lighthouse sd1-emb", **SMALL, **control(strength=0.2))
     assert other.result(300).png != first.png
     assert KEY in _loaded(client)
+    assert client.controlnets() == [CN] and client.embeddings() == ["sd1-emb", "sd1-emb2"]
     # the estimate counted the ControlNet (as loaded, 0.94 GB) and the embedding's table
     plain = client.submit(MODEL, "a lighthouse", **SMALL)
     assert plain.result(300).png
