@@ -181,3 +181,22 @@ def test_the_scheduler_adds_a_keys_controlnet_and_embeddings_to_its_model() -> N
         "sd15+control:depth", hbs, ["sd15"]
     )
     assert "unknown embedding 'f'" in enginekey.unknown_error("sd15+embeddings:f", hbs, ["sd15"])
+
+
+def test_placement_goes_where_the_engine_key_is_loaded_not_the_plain_model() -> None:
+    from sdfarm.scheduler.placement import DeviceState, GiB, JobRequest, LoadedModel, Placed, place
+
+    key = "sd15+control:canny"
+
+    def dev(name: str, loaded: str) -> DeviceState:
+        held = (LoadedModel(loaded, 4 * GiB, busy=False, pinned=False, idle_since=0.0),)
+        return DeviceState(host="h", device=name, type="gpu", compute_figure=12 * GiB,
+                           slow_figure=28 * GiB, capacity=16 * GiB, loaded=held, queued=0,
+                           backlog_limit=2, alive=True, accepting=True)  # fmt: skip
+
+    devices = [dev("gpu0", "sd15"), dev("gpu1", key)]
+    for order in (devices, devices[::-1]):
+        got = place(JobRequest(model=key, estimate=5 * GiB), order, 10_000.0)
+        assert got == Placed("h/gpu1", "loaded")
+        plain = place(JobRequest(model="sd15", estimate=4 * GiB), order, 10_000.0)
+        assert plain == Placed("h/gpu0", "loaded")
