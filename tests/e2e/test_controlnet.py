@@ -41,7 +41,7 @@ import numpy as np
 from PIL import Image
 from sdfarm.native.controlnets import ControlNetCatalog, controlnet_dirs
 from sdfarm.native.embeddings import EmbeddingCatalog, embedding_dirs
-from sdfarm.native.engine import Engine
+from sdfarm.native.engine import Engine, LogConfig
 from sdfarm.native.params import GenerationParams
 
 root, only_base = Path(sys.argv[1]), sys.argv[2] == "base"
@@ -65,10 +65,13 @@ variants = {
 out = {}
 
 def run(engine, name, extra):
-    r = engine.generate(GenerationParams(**{**base, **extra}))
+    log = LogConfig(level="debug", log_prompts=True)  # the runtime says when it applies one
+    r = engine.generate(GenerationParams(**{**base, **extra}), log=log)
     out[name] = {"sha": hashlib.sha256(r.image.tobytes()).hexdigest(),
                  "mean": float(np.asarray(r.image, dtype=np.float64).mean()),
-                 "warnings": r.metadata["warnings"], "call": {
+                 "warnings": r.metadata["warnings"],
+                 "applied": [x.message for x in r.records if "applied, custom" in x.message],
+                 "call": {
                      k: r.metadata.get(k) for k in ("control_net", "embeddings",
                                                      "control_strength")},
                  "read_back": {k: engine.last_call[k] for k in (
@@ -115,6 +118,11 @@ def test_the_pixels_follow_the_control_image_its_strength_and_the_embedding(
                                  "control_net": CN, "embeddings": EMB}  # fmt: skip
     assert runs[0]["other_strength"]["read_back"]["control_strength"] == pytest.approx(0.3)
     assert runs[0]["no_embedding"]["read_back"]["embeddings"] == ""
+    # the runtime read the embedding's 4 vectors for the prompt naming it, and none without
+    assert base["applied"] == [
+        "stable_diffusion: embedding 'sd1-emb' applied, custom embeddings: 4"
+    ]
+    assert runs[0]["no_embedding"]["applied"] == []
 
 
 def test_a_control_image_of_another_size_is_resized_and_the_job_says_so(runs: list[dict]) -> None:
