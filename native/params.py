@@ -565,6 +565,17 @@ def validate(params: GenerationParams) -> GenerationParams:
         raise InvalidParameterError(
             "control_net", "needs a control_image: the image the ControlNet follows"
         )
+    if checked["control_net"] and checked["hires_scale"] > 1.0:
+        # The runtime's hires pass reuses the first pass's control hint at the first pass's
+        # size: where the sizes divide it tiles the hint over the larger latent, where they
+        # do not (72x64 x2 on SD 1.x: 128x64 -> 192x128) ggml aborts the process
+        # (GGML_ASSERT ggml_can_repeat; tests/e2e/test_controlnet.py keeps it refused).
+        raise InvalidParameterError(
+            "hires_scale",
+            "a ControlNet job cannot have a high-resolution pass: the runtime's second pass "
+            "reuses the first pass's control hint at the first pass's size (it tiles it, or "
+            "aborts the process where the sizes do not divide); use hires_scale 1",
+        )
     if checked["control_image"] is not None and not checked["control_net"]:
         raise InvalidParameterError(
             "control_image", "needs a control_net: the ControlNet that reads it"

@@ -152,10 +152,17 @@ def test_what_the_engine_was_not_loaded_with_is_refused_before_any_native_call(
             "control_net": {"control_net": CN, "control_image": png(1)},  # not loaded with it
             "embeddings": {"embeddings": EMB},
             "control_image": {"control_net": CN, "control_image": b"\x89PNG\r\n\x1a\n garbage"},
+            # the runtime's hires pass reuses the first pass's hint: 72x64 x2 aborts it
+            "hires_scale": {
+                "control_net": CN,
+                "control_image": png(1),
+                "hires_scale": 2.0,
+                "width": 72,
+            },  # fmt: skip
         }
         for field, extra in cases.items():
             with pytest.raises(InvalidParameterError) as err:
-                engine.generate(GenerationParams(**small, **extra))
+                engine.generate(GenerationParams(**{**small, **extra}))
             assert err.value.parameter == field, (field, str(err.value))
         assert engine.native_calls == calls  # nothing reached the runtime
         assert engine.generate(GenerationParams(**small)).image.size == (64, 64)  # still usable

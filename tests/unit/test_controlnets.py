@@ -3,10 +3,12 @@ folders, engine keys, the job schema's rules and the scheduler's facts of an eng
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 
 import numpy as np
 import pytest
+from PIL import Image
 from safetensors.numpy import save_file
 
 from sdfarm.native import enginekey
@@ -149,6 +151,12 @@ def test_the_schema_pairs_a_control_image_with_its_controlnet() -> None:
     with pytest.raises(InvalidParameterError) as err:
         validate(GenerationParams(**small, control_strength=2.5))
     assert err.value.parameter == "control_strength"
+    real = io.BytesIO()
+    Image.new("RGB", (64, 64)).save(real, "PNG")
+    with pytest.raises(InvalidParameterError) as err:  # the runtime's hires pass would abort
+        validate(GenerationParams(**small, control_net="c", control_image=real.getvalue(),
+                                  hires_scale=2))  # fmt: skip
+    assert err.value.parameter == "hires_scale" and "aborts" in str(err.value)
     assert validate(GenerationParams(**small, embeddings=" b , a ")).embeddings == "a,b"
     assert validate(GenerationParams(**small, embeddings=["a"])).embeddings == "a"
     for bad in ("a,A", "a,../b", ",".join("abcdefghi")):
