@@ -13,7 +13,10 @@ from typing import Any
 
 from sdfarm.cli.options import given_params
 from sdfarm.native.catalog import model_dirs, resolve
+from sdfarm.native.controlnets import ControlNetCatalog, controlnet_dirs
+from sdfarm.native.embeddings import EmbeddingCatalog, embedding_dirs
 from sdfarm.native.engine import Engine, LogConfig
+from sdfarm.native.enginekey import key_of
 from sdfarm.native.loras import LoraCatalog, lora_dirs
 from sdfarm.native.params import GenerationParams, from_mapping, read_image_files, validate
 from sdfarm.native.png import png_bytes
@@ -46,6 +49,11 @@ def generate_in_process(args: argparse.Namespace) -> dict[str, Any]:
     loras = {name: catalog.load(name) for name, _ in params.loras}
     upscalers = UpscalerCatalog(upscaler_dirs(dict.fromkeys(folders)))
     hires = {n: upscalers.load(n) for n in [params.hires_upscaler] if n}
+    key = key_of(model.name, {"control_net": params.control_net, "embeddings": params.embeddings})
+    controlnets = ControlNetCatalog(controlnet_dirs(dict.fromkeys(folders)))
+    control_net = controlnets.load(key.control_net) if key.control_net else None
+    embeddings = EmbeddingCatalog(embedding_dirs(dict.fromkeys(folders)))
+    embedding_files = [embeddings.load(n) for n in key.embeddings]
     t0 = time.monotonic()
     engine = Engine.load(
         model,
@@ -53,6 +61,8 @@ def generate_in_process(args: argparse.Namespace) -> dict[str, Any]:
         check_memory=not args.no_check_memory,
         log=log,
         threads=args.threads,
+        control_net=control_net,
+        embeddings=embedding_files,
     )
     load_s = time.monotonic() - t0
     records = engine.drain_load_records()

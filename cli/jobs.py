@@ -153,15 +153,21 @@ def cmd_models(args: argparse.Namespace) -> int:
     try:
         farm = _connect(_need_url(args))
         models, upscalers = farm.models(), farm.upscalers()
+        controlnets, embeddings = farm.controlnets(), farm.embeddings()
     except Exception as exc:  # noqa: BLE001
         return _fail(args, exc)
     if args.json:
-        emit({"models": models, "upscalers": upscalers})
+        emit({"models": models, "upscalers": upscalers, "controlnets": controlnets,
+              "embeddings": embeddings})  # fmt: skip
     else:
         for m in models:
             print(m if isinstance(m, str) else m.get("name", m))
         for u in upscalers:
             print(f"{u['name']} (upscaler, x{u['scale']})")
+        for name in controlnets:
+            print(f"{name} (ControlNet)")
+        for name in embeddings:
+            print(f"{name} (embedding)")
     return 0
 
 

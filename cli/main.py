@@ -110,6 +110,10 @@ def cmd_make_test_model(args: argparse.Namespace) -> int:
         from sdfarm.native.wantestmodel import VARIANTS, make_wan_test_model
 
         dirs += [make_wan_test_model(Path(args.dir), name) for name in VARIANTS]
+    if args.sd1:
+        from sdfarm.native.sd1model import make_sd1_test_model
+
+        dirs.append(make_sd1_test_model(Path(args.dir)))
     if args.json:
         emit({"models": [str(d) for d in dirs]})
     else:
@@ -199,6 +203,13 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="also the random-weight Wan2.1 video models wan-t2v-test and wan-vace-test "
         "(about 1.9 GB)",
+    )
+    m.add_argument(
+        "--sd1",
+        action="store_true",
+        help="also a random-weight SD 1.x model (q4_0, 1.5 GB) with a ControlNet "
+        "(controlnets/sd1-control, 0.5 GB) and embeddings (embeddings/sd1-emb*): the tiny model "
+        "takes neither",
     )
     m.add_argument("--json", action="store_true")
     m.set_defaults(func=cmd_make_test_model)

@@ -29,7 +29,7 @@ from sdfarm.client.errors import (
     UnknownModelError,
 )
 from sdfarm.client.job import DEADLINE_GRACE_S, WAIT_SLICE_S, Job, Result
-from sdfarm.native import upscale_params, video_params
+from sdfarm.native import enginekey, upscale_params, video_params
 from sdfarm.native.errors import InvalidParameterError
 from sdfarm.native.estimate import ModelFacts, UpscalerFacts
 from sdfarm.native.params import (
@@ -152,6 +152,16 @@ class Farm:
         """The names of the LoRAs some live worker has, sorted."""
         return sorted(farm_loras(self._heartbeats(fresh=True)))
 
+    def controlnets(self) -> list[str]:
+        """The names of the ControlNets some live worker has, sorted."""
+        hbs = self._heartbeats(fresh=True)
+        return sorted({str(n) for hb in hbs.values() for n in hb.get("controlnets") or {}})
+
+    def embeddings(self) -> list[str]:
+        """The names of the textual-inversion embeddings some live worker has, sorted."""
+        hbs = self._heartbeats(fresh=True)
+        return sorted({str(n) for hb in hbs.values() for n in hb.get("embeddings") or {}})
+
     # -- submitting ---------------------------------------------------------------------------
 
     def submit(
@@ -193,7 +203,17 @@ class Farm:
         honour hooks. Checks the model against the farm; `quota`: as `submit`'s."""
         if not isinstance(spec.model, str) or not spec.model:
             raise InvalidParameterError("model", "give a model name")
-        self._check_model(spec.model)
+        if spec.kind != "upscale":
+            # A ControlNet or embeddings make another engine of the model: the job's model
+            # is that engine's key (sdfarm.native.enginekey), which placement and the
+            # worker's cache go by.
+            base = enginekey.parse(spec.model)
+            base_model = base.model if base is not None else spec.model
+            self._check_assets(spec.params)
+            spec = replace(spec, model=enginekey.engine_key(base_model, spec.params))
+            self._check_model(base_model)
+        else:
+            self._check_model(spec.model)
         self._check_loras([str(pair[0]) for pair in spec.params.get("loras") or []])
         if spec.params.get("hires_upscaler"):
             self._upscaler_facts(str(spec.params["hires_upscaler"]), "hires_upscaler")
@@ -223,6 +243,31 @@ class Farm:
         so, or the job waits for a worker)."""
         facts = model_facts(self._heartbeats(), model)
         return facts if isinstance(facts, ModelFacts) else None
+
+    def _check_assets(self, params: Mapping[str, Any]) -> None:
+        """InvalidParameterError naming `control_net` or `embeddings` when no live worker has
+        the ControlNet or an embedding a job names (after a fresh look)."""
+        control = str(params.get("control_net") or "")
+        names = enginekey.embedding_names(str(params.get("embeddings") or ""))
+        wanted = [("control_net", "controlnets", "ControlNet", n) for n in [control] if n]
+        wanted += [("embeddings", "embeddings", "embedding", n) for n in names]
+        if not wanted or not self._heartbeats():
+            return
+
+        def have(field_name: str) -> set[str]:
+            return {str(n) for hb in self._heartbeats().values() for n in hb.get(field_name) or {}}
+
+        if all(n in have(f) for _, f, _, n in wanted):
+            return
+        if not self._heartbeats(fresh=True):
+            return
+        for param, field_name, kind, name in wanted:
+            known = have(field_name)
+            if name not in known:
+                raise InvalidParameterError(
+                    param,
+                    f"unknown {kind} {name!r}; the farm has {', '.join(sorted(known)) or 'none'}",
+                )
 
     def _check_loras(self, names: list[str]) -> None:
         """InvalidParameterError naming a LoRA no live worker has (after a fresh look)."""

@@ -21,6 +21,7 @@ enum rng_type_t { STD_DEFAULT_RNG, CUDA_RNG, CPU_RNG, RNG_TYPE_COUNT };
 enum sd_type_t { SD_TYPE_COUNT, ... };
 enum lora_apply_mode_t { LORA_APPLY_AUTO, LORA_APPLY_IMMEDIATELY, LORA_APPLY_AT_RUNTIME, ... };
 typedef struct { bool is_high_noise; float multiplier; const char* path; } sd_lora_t;
+typedef struct { const char* name; const char* path; } sd_embedding_t;
 
 typedef struct {
     const char* model_path;
@@ -31,6 +32,9 @@ typedef struct {
     const char* diffusion_model_path;
     const char* vae_path;
     const char* taesd_path;
+    const char* control_net_path;
+    const sd_embedding_t* embeddings;
+    uint32_t embedding_count;
     bool vae_decode_only;
     bool free_params_immediately;
     int n_threads;
@@ -38,6 +42,7 @@ typedef struct {
     bool offload_params_to_cpu;
     bool enable_mmap;
     bool keep_clip_on_cpu;
+    bool keep_control_net_on_cpu;
     bool keep_vae_on_cpu;
     bool flash_attn;
     bool diffusion_flash_attn;
@@ -105,6 +110,8 @@ typedef struct {
     float strength;
     int64_t seed;
     int batch_count;
+    sd_image_t control_image;
+    float control_strength;
     sd_tiling_params_t vae_tiling_params;
     sd_cache_params_t cache;
     sd_hires_params_t hires;

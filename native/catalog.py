@@ -19,7 +19,11 @@ LORAS_FOLDER = "loras"
 """A models directory's folder of LoRA files (sdfarm.native.loras): not a model."""
 UPSCALERS_FOLDER = "upscalers"
 """A models directory's folder of upscaler files (sdfarm.native.upscalers): not a model."""
-ASSET_FOLDERS = (LORAS_FOLDER, UPSCALERS_FOLDER)
+CONTROLNETS_FOLDER = "controlnets"
+"""A models directory's folder of ControlNet files (sdfarm.native.controlnets): not a model."""
+EMBEDDINGS_FOLDER = "embeddings"
+"""A models directory's folder of textual-inversion embeddings (sdfarm.native.embeddings)."""
+ASSET_FOLDERS = (LORAS_FOLDER, UPSCALERS_FOLDER, CONTROLNETS_FOLDER, EMBEDDINGS_FOLDER)
 
 
 def model_dirs(given: Iterable[str | os.PathLike[str]] = ()) -> list[Path]:

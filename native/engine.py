@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,6 +20,12 @@ from typing import Any
 from PIL import Image
 
 from sdfarm.native import images, logs, memory
+from sdfarm.native.controlnets import (
+    ARCH_CONTEXT,
+    CONTROL_HEADS,
+    ControlNetFile,
+    unet_refusal,
+)
 from sdfarm.native.cudalimits import cuda_size_error
 from sdfarm.native.devices import (
     Device,
@@ -28,6 +34,7 @@ from sdfarm.native.devices import (
     choose_compute_device,
     gpu_figure,
 )
+from sdfarm.native.embeddings import TABLE_BYTES, EmbeddingFile
 from sdfarm.native.errors import (
     EnginePoisonedError,
     GenerationError,
@@ -48,7 +55,7 @@ from sdfarm.native.model import Model
 from sdfarm.native.params import STEP_CACHES, GenerationParams, validate
 from sdfarm.native.preview import Preview, PreviewSlot, mode_for
 from sdfarm.native.ring import NATIVE_LOCK, LogRing
-from sdfarm.native.roles import ROLE_PARAMS
+from sdfarm.native.roles import ROLE_PARAMS, guess_architecture
 from sdfarm.native.tiling import TilingPlan, plan_tiling
 from sdfarm.native.upscalers import UpscalerFile
 from sdfarm.native.video import (
@@ -110,6 +117,69 @@ class LogConfig:
         return self.native_level or self.level
 
 
+@dataclass(frozen=True)
+class ModelWith:
+    """A model with what its engine's context is made with beside its files: a ControlNet
+    and textual-inversion embeddings (sdfarm.native.enginekey names such an engine). A worker
+    hands this to `Engine.load` as the model."""
+
+    model: Model
+    control_net: ControlNetFile | None = None
+    embeddings: tuple[EmbeddingFile, ...] = ()
+
+
+def extras_bytes(
+    control_net: ControlNetFile | None, embeddings: tuple[EmbeddingFile, ...] | list
+) -> int:
+    """What a ControlNet (as the runtime holds it) and embeddings (their files and the f32
+    token table they make the runtime keep) add to an engine's bytes; the scheduler adds the
+    same from heartbeats (sdfarm.native.enginekey.extra_bytes)."""
+    total = control_net.resident_bytes if control_net is not None else 0
+    if embeddings:
+        total += sum(e.size for e in embeddings) + TABLE_BYTES
+    return total
+
+
+def check_extras(
+    model: Model, control_net: ControlNetFile | None, embeddings: tuple[EmbeddingFile, ...]
+) -> None:
+    """InvalidParameterError naming the field when `model` cannot take the ControlNet or the
+    embeddings: the runtime applies ControlNet to SD 1.x/2.x/XL UNets only (of the model's
+    text width) and embeddings to CLIP text encoders only (of their widths)."""
+    if control_net is None and not embeddings:
+        return
+    main = model.files.get("checkpoint") or model.files.get("diffusion_model")
+    arch = guess_architecture(main.header) if main is not None else "unknown"
+    if control_net is not None:
+        why = unet_refusal(main.header, arch) if main is not None else "it has no UNet"
+        if why is not None:
+            raise InvalidParameterError(
+                "control_net", f"model {model.name!r} cannot use a ControlNet: {why}"
+            )
+        want = ARCH_CONTEXT[arch]
+        if control_net.context_dim != want:
+            raise InvalidParameterError(
+                "control_net",
+                f"ControlNet {control_net.name!r} is for a text width of "
+                f"{control_net.context_dim}, model {model.name!r} ({arch}) has {want}",
+            )
+    if embeddings:
+        widths = {"sd1": (768,), "sd2": (1024,), "sdxl": (768, 1280)}.get(arch)
+        if widths is None:
+            raise InvalidParameterError(
+                "embeddings",
+                f"model {model.name!r} ({arch}) has no CLIP text encoder: the runtime reads "
+                "embeddings into CLIP only (SD 1.x, 2.x, XL)",
+            )
+        for e in embeddings:
+            if e.width not in widths:
+                raise InvalidParameterError(
+                    "embeddings",
+                    f"embedding {e.name!r} is {e.width} wide; model {model.name!r} ({arch}) "
+                    f"takes {' or '.join(map(str, widths))}",
+                )
+
+
 def _resolve_model(model: Model | str | os.PathLike[str] | Mapping[str, str]) -> Model:
     if isinstance(model, Model):
         return model
@@ -140,17 +210,29 @@ class Engine:
         pinned: str | None = None,
         warm_up: bool | None = None,
         backend: str | None = None,
+        control_net: ControlNetFile | None = None,
+        embeddings: Iterable[EmbeddingFile] = (),
     ) -> Engine:
-        """Check memory, plan the fit, load. `figures` injects the host's figures (or a probe
-        returning them); by default they are read in a short-lived subprocess. `pinned` names
-        the device sdfarm pinned this process to (the check then runs on its figures).
+        """Check memory, plan the fit, load. `control_net` and `embeddings` (checked files,
+        sdfarm.native.controlnets and .embeddings) are made part of the context (a
+        `ModelWith` as the model carries them too); the estimate counts them. `figures`
+        injects the host's figures (or a probe returning them); by default they are read in a
+        short-lived subprocess. `pinned` names the device sdfarm pinned this process to (the
+        check then runs on its figures).
         `warm_up` (default: on for GPUs) runs one tiny generation so the first job does not
         pay for pipeline compilation."""
         self = object.__new__(cls)
+        if isinstance(model, ModelWith):
+            control_net = control_net or model.control_net
+            embeddings = tuple(embeddings) or model.embeddings
+            model = model.model
         self._log = log or LogConfig()
         logs.level_number(self._log.level)
         logs.level_number(self._log.native)
         self.model = _resolve_model(model)
+        self.control_net: ControlNetFile | None = control_net
+        self.embeddings: dict[str, EmbeddingFile] = {e.name: e for e in embeddings}
+        check_extras(self.model, control_net, tuple(self.embeddings.values()))
         self._ctx = None
         self._poisoned: str | None = None
         self._pending: list[logs.LogRecord] = []
@@ -161,7 +243,9 @@ class Engine:
 
         figs, planned = host_device(figures, backend, device, pinned)
         w, h = self.model.native_size
-        self.facts: ModelFacts = model_facts(self.model, planned)
+        facts = model_facts(self.model, planned)
+        extra = extras_bytes(control_net, tuple(self.embeddings.values()))
+        self.facts: ModelFacts = facts.with_extras(extra, CONTROL_HEADS if control_net else 0)
         estimate = self.facts.resident()
         verdict = memory.check_memory(estimate, figs, device, pinned=pinned, enabled=check_memory)
         memory.raise_if_refused(verdict)
@@ -185,6 +269,10 @@ class Engine:
         self.preview_mode = mode_for(set(self.model.files))
         self._threads = threads or max(1, (os.cpu_count() or 2))
         self._path_roles = self.model.path_roles()
+        if control_net is not None:
+            self._path_roles[str(control_net.path)] = f"<control_net {control_net.name} file>"
+        for e in self.embeddings.values():
+            self._path_roles[str(e.path)] = f"<embedding {e.name} file>"
         self._scrub = logs.Scrubber(self._path_roles, log_prompts=self._log.log_prompts)
         if verdict.action == "warn":
             self._pending.append(self._engine_record("warn", verdict.message))
@@ -244,6 +332,19 @@ class Engine:
             setattr(p, ROLE_PARAMS[role], s)
         # The encoder too when the model has one (img2img, inpainting); its weights are in the
         # model's files, which the estimate counts whole.
+        if self.control_net is not None:
+            s = ffi.new("char[]", str(self.control_net.path).encode())
+            keep.append(s)
+            p.control_net_path = s
+        if self.embeddings:
+            arr = ffi.new("sd_embedding_t[]", len(self.embeddings))
+            keep.append(arr)
+            for i, e in enumerate(self.embeddings.values()):
+                name = ffi.new("char[]", e.name.encode())
+                path = ffi.new("char[]", str(e.path).encode())
+                keep += [name, path]
+                arr[i] = {"name": name, "path": path}
+            p.embeddings, p.embedding_count = arr, len(self.embeddings)
         p.vae_decode_only = not self.model.can_encode
         p.free_params_immediately = False
         p.n_threads = self._threads
@@ -378,6 +479,9 @@ class Engine:
             g.strength = params.strength
         if params.mask_image is not None:
             g.mask_image = image(params.mask_image, size, True, "mask_image")
+        if params.control_image is not None:
+            g.control_image = image(params.control_image, size, False, "control_image")
+            g.control_strength = params.control_strength
         if params.ref_images:
             refs = ffi.new("sd_image_t[]", len(params.ref_images))
             for i, data in enumerate(params.ref_images):
@@ -424,6 +528,10 @@ class Engine:
             "init_image": _shape(g.init_image, ffi),
             "strength": g.strength,
             "mask_image": _shape(g.mask_image, ffi),
+            "control_image": _shape(g.control_image, ffi),
+            "control_strength": g.control_strength if g.control_image.data != ffi.NULL else None,
+            "control_net": self.control_net.name if self.control_net is not None else "",
+            "embeddings": ",".join(sorted(self.embeddings)),
             "ref_images": [_shape(g.ref_images[i], ffi) for i in range(g.ref_images_count)],
             "loras": [
                 [Path(ffi.string(g.loras[i].path).decode()).stem, g.loras[i].multiplier]
@@ -521,6 +629,7 @@ class Engine:
         for w, h in {(params.width, params.height), params.final_size}:
             if why := cuda_size_error(self.architecture, self.capabilities_device, w, h):
                 raise InvalidParameterError("width", why)
+        self._check_engine_extras(params)
         files = loras or {}
         missing = [name for name, _ in params.loras if name not in files]
         if missing:
@@ -613,6 +722,26 @@ class Engine:
         elif kwargs:
             raise TypeError("pass VideoParams or keyword arguments, not both")
         return generate_video(self, params, progress=progress, log=log, estimate=estimate)
+
+    def _check_engine_extras(self, params: GenerationParams) -> None:
+        """A job's ControlNet must be this engine's (its context holds one ControlNet, or
+        none) and its embeddings among this engine's; InvalidParameterError naming the field
+        otherwise."""
+        have = self.control_net.name if self.control_net is not None else ""
+        if params.control_net != have:
+            raise InvalidParameterError(
+                "control_net",
+                f"the job asks for ControlNet {params.control_net or 'none'!r}, this engine of "
+                f"{self.model.name!r} was loaded with {have or 'none'!r} (a ControlNet is part "
+                "of the engine: load one with it)",
+            )
+        for name in filter(None, params.embeddings.split(",")):
+            if name not in self.embeddings:
+                raise InvalidParameterError(
+                    "embeddings",
+                    f"embedding {name!r} is not loaded in this engine of {self.model.name!r} "
+                    f"(it has: {', '.join(sorted(self.embeddings)) or 'none'})",
+                )
 
     def _hires_upscaler(self, params: GenerationParams, files: Mapping[str, UpscalerFile]) -> int:
         """Check the hires pass's model upscaler and keep its file for the call; the bytes it

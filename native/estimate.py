@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from sdfarm.native import memory
@@ -54,6 +54,9 @@ class ModelFacts:
     video: str = ""
     """The video model it is, as the runtime names it (e.g. "Wan2.1-T2V-1.3B"; "": an image
     model): so a client refuses an image job for a video model, and the reverse, at submit."""
+    control_heads: int = 0
+    """The attention heads of a ControlNet the engine holds (0: none), whose attention runs
+    without flash attention (`control_working`)."""
 
     def estimate(
         self,
@@ -71,8 +74,9 @@ class ModelFacts:
         bounds the decode's terms by a tile (memory.tiled_estimate_bytes says which)."""
         nw, nh = self.native_size
         per_pixel = self.decode_per_pixel * (2 if encodes else 1)
+        control = self.control_working(int(width), int(height))
         if tiled:
-            return memory.tiled_estimate_bytes(
+            return control + memory.tiled_estimate_bytes(
                 self.bytes + extra_bytes,
                 int(width),
                 int(height),
@@ -80,7 +84,7 @@ class ModelFacts:
                 VAE_TILE_PIXELS,
                 decode_per_pixel=per_pixel,
             )
-        return memory.estimate_bytes(
+        return control + memory.estimate_bytes(
             self.bytes + extra_bytes,
             int(width),
             int(height),
@@ -104,6 +108,15 @@ class ModelFacts:
             + pixels * int(frames) * VIDEO_FRAME_BYTES_PER_PIXEL
         )
 
+    def control_working(self, width: int, height: int) -> int:
+        """A ControlNet's attention scores at `width` x `height`: the runtime turns flash
+        attention on for the diffusion model only, so the ControlNet's first attention layers
+        hold heads x tokens x tokens f32 scores, tokens the latent's cells (1/8 of each side):
+        512 MiB at 512x512 with 8 heads, 8 GiB at 1024x1024 (bench/controlnet_memory.py
+        measured the peak against it). 0 without a ControlNet."""
+        tokens = (width // 8) * (height // 8)
+        return self.control_heads * tokens * tokens * 4
+
     def resident(self) -> int:
         """The estimate at the native size: what a loaded engine of this model holds."""
         return self.estimate(*self.native_size)
@@ -115,6 +128,7 @@ class ModelFacts:
             "bytes": self.bytes,
             "native_size": list(self.native_size),
             "decode_per_pixel": self.decode_per_pixel,
+            **({"control_heads": self.control_heads} if self.control_heads else {}),
         }
         if self.video:
             doc["video"] = self.video
@@ -129,6 +143,7 @@ class ModelFacts:
             (int(w), int(h)),
             int(doc.get("decode_per_pixel") or 0),
             str(doc.get("video") or ""),
+            int(doc.get("control_heads") or 0),
         )
 
     @classmethod
@@ -139,7 +154,20 @@ class ModelFacts:
         native = min((f.native_size for f in facts), key=lambda s: s[0] * s[1])
         video = max(f.video for f in facts)  # copies of one name should agree
         return cls(
-            max(f.bytes for f in facts), native, max(f.decode_per_pixel for f in facts), video
+            max(f.bytes for f in facts),
+            native,
+            max(f.decode_per_pixel for f in facts),
+            video,
+            max(f.control_heads for f in facts),
+        )
+
+    def with_extras(self, extra_bytes: int, control_heads: int = 0) -> ModelFacts:
+        """These facts for an engine that also holds `extra_bytes` of a ControlNet and
+        embeddings (sdfarm.native.enginekey), with the ControlNet's attention heads."""
+        return replace(
+            self,
+            bytes=self.bytes + extra_bytes,
+            control_heads=max(self.control_heads, control_heads),
         )
 
 

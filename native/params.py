@@ -125,6 +125,8 @@ MAX_LORAS = 8
 STEP_CACHES = ("off", "easycache", "ucache", "dbcache", "taylorseer", "cache_dit", "spectrum")
 """sd_cache_mode_t of master-596, in its order ("off" is SD_CACHE_DISABLED)."""
 MAX_LORA_WEIGHT = 10.0
+MAX_EMBEDDINGS = 8
+MAX_CONTROL_STRENGTH = 2.0
 VAE_TILING = ("auto", "on", "off")
 """The values of `vae_tiling` (sdfarm.native.tiling.CHOICES)."""
 # Upscaler tiles (sdfarm.native.upscale_params): input pixels a side. Tiles below 32 pixels run
@@ -173,6 +175,7 @@ class Param:
             "image": bytes,
             "images": bytes,
             "loras": str,
+            "names": str,
             "url": str,
         }[self.kind]
 
@@ -188,6 +191,8 @@ class Param:
                 f"an http(s) URL of at most {addresses.MAX_URL_CHARS} characters whose host is "
                 "a public address; empty for none"
             )
+        if self.kind == "names":
+            return f"up to {_num(self.hi)} names, comma-separated"
         if self.kind == "loras":
             return (
                 f"up to {_num(self.hi)} NAME:WEIGHT pairs, each weight "
@@ -220,6 +225,8 @@ class Param:
             return addresses.check_url(self.name, value)
         if self.kind == "loras":
             return _loras(self.name, value, int(self.hi or 0))
+        if self.kind == "names":
+            return _names(self.name, value, int(self.hi or 0))
         if self.kind == "images":
             if not isinstance(value, list | tuple):
                 raise InvalidParameterError(self.name, f"must be a list of images, got {value!r}")
@@ -319,6 +326,23 @@ class GenerationParams:
         "loras", (), "LoRAs to apply, by name (the farm's loras/ folders), with their weights",
         hi=MAX_LORAS,
     )  # fmt: skip
+    control_image: bytes | None = param(
+        "image", None, "ControlNet: the image that guides the drawing (an edge map, a pose, a "
+        "depth map), resized to the job's size"
+    )  # fmt: skip
+    control_strength: float = param(
+        "float", 0.9, "ControlNet: how strongly the control image guides (0: not at all)",
+        lo=0.0, hi=MAX_CONTROL_STRENGTH,
+    )  # fmt: skip
+    control_net: str = param(
+        "text", "", "ControlNet: its name (the farm's controlnets/ folders); SD 1.x/2.x/XL "
+        "models only", max_chars=128,
+    )  # fmt: skip
+    embeddings: str = param(
+        "names", "", "textual-inversion embeddings the prompt uses, by name (the farm's "
+        "embeddings/ folders), comma-separated; a prompt triggers one by its name; CLIP "
+        "models (SD 1.x/2.x/XL) only", hi=MAX_EMBEDDINGS,
+    )  # fmt: skip
     hires_scale: float = param(
         "float", 1.0, "a second, high-resolution pass: the final size over width x height "
         "(1: no second pass)", lo=1.0, hi=4.0,
@@ -382,7 +406,11 @@ class GenerationParams:
     def encodes(self) -> bool:
         """Whether the engine encodes an image into latents (img2img, inpainting, the image
         a hires upscaler made)."""
-        return self.init_image is not None or bool(self.hires_upscaler)
+        return (
+            self.init_image is not None
+            or self.control_image is not None  # the runtime encodes it when it can
+            or bool(self.hires_upscaler)
+        )
 
 
 @dataclass(frozen=True)
@@ -528,6 +556,30 @@ def validate(params: GenerationParams) -> GenerationParams:
             f"{checked['hires_upscaler']!r}: give an upscaler's name (letters, digits, '.', '_', "
             "'-') and a hires_scale above 1 (the pass is off at 1)",
         )
+    if checked["control_net"] and not LORA_NAME.match(checked["control_net"]):
+        raise InvalidParameterError(
+            "control_net",
+            f"{checked['control_net']!r} is not a ControlNet name (letters, digits, '.', '_', '-')",
+        )
+    if checked["control_net"] and checked["control_image"] is None:
+        raise InvalidParameterError(
+            "control_net", "needs a control_image: the image the ControlNet follows"
+        )
+    if checked["control_net"] and checked["hires_scale"] > 1.0:
+        # The runtime's hires pass reuses the first pass's control hint at the first pass's
+        # size: where the sizes divide it tiles the hint over the larger latent, where they
+        # do not (72x64 x2 on SD 1.x: 128x64 -> 192x128) ggml aborts the process
+        # (GGML_ASSERT ggml_can_repeat; tests/e2e/test_controlnet.py keeps it refused).
+        raise InvalidParameterError(
+            "hires_scale",
+            "a ControlNet job cannot have a high-resolution pass: the runtime's second pass "
+            "reuses the first pass's control hint at the first pass's size (it tiles it, or "
+            "aborts the process where the sizes do not divide); use hires_scale 1",
+        )
+    if checked["control_image"] is not None and not checked["control_net"]:
+        raise InvalidParameterError(
+            "control_image", "needs a control_net: the ControlNet that reads it"
+        )
     if checked["mask_image"] is not None and checked["init_image"] is None:
         raise InvalidParameterError(
             "mask_image", "needs an init_image: the mask says which part of it is redrawn"
@@ -645,6 +697,32 @@ def _loras(name: str, value: Any, most: int) -> tuple[tuple[str, float], ...]:
             raise InvalidParameterError(where, f"LoRA {lora!r} is listed twice")
         out.append((lora, weight))
     return tuple(out)
+
+
+def _names(name: str, value: Any, most: int) -> str:
+    """Asset names from "a,b" or a list of names: each a plain name, each once (the runtime
+    lowercases them, so "A" and "a" are one), at most `most`; returned sorted and
+    comma-joined, the one spelling every door and the engine key share."""
+    if isinstance(value, str):
+        items = [v.strip() for v in value.split(",") if v.strip()]
+    elif isinstance(value, list | tuple):
+        items = list(value)
+    else:
+        raise InvalidParameterError(name, f"must be comma-separated names, got {value!r}")
+    if len(items) > most:
+        raise InvalidParameterError(name, f"has {len(items)} names, at most {most}")
+    seen: dict[str, str] = {}
+    for item in items:
+        if not isinstance(item, str) or not LORA_NAME.match(item):
+            raise InvalidParameterError(
+                name, f"{item!r} is not a name (letters, digits, '.', '_', '-')"
+            )
+        if item.lower() in seen:
+            raise InvalidParameterError(
+                name, f"{item!r} is listed twice (the runtime matches names in lower case)"
+            )
+        seen[item.lower()] = item
+    return ",".join(sorted(seen.values()))
 
 
 def _cells(x: float) -> int:

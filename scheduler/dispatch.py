@@ -23,7 +23,7 @@ from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import Any, Protocol
 
-from sdfarm.native import upscale_params, video_params
+from sdfarm.native import enginekey, upscale_params, video_params
 from sdfarm.native.errors import InvalidParameterError
 from sdfarm.native.estimate import UpscalerFacts, job_estimate
 from sdfarm.native.params import MAX_SIZE, VAE_TILING, from_mapping
@@ -476,6 +476,8 @@ class Dispatcher:
 
     @staticmethod
     def _unknown_error(model: str, snap: Snapshot) -> str:
+        if enginekey.CONTROL in model or enginekey.EMBEDDINGS in model:
+            return enginekey.unknown_error(model, snap.heartbeats, snap.models())
         upscaler = upscaler_name(model)
         if upscaler is not None:
             return (

@@ -18,6 +18,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from sdfarm.native import enginekey
+from sdfarm.native.controlnets import CONTROL_HEADS
 from sdfarm.native.estimate import Facts, ModelFacts, UpscalerFacts
 from sdfarm.scheduler.placement import DeviceState, LoadedModel
 from sdfarm.store import FarmReading, Store
@@ -278,8 +280,32 @@ def model_facts(heartbeats: Mapping[str, Mapping[str, Any]], name: str) -> Facts
     if upscaler is not None:
         ups = [f for hb in heartbeats.values() if (f := heartbeat_upscalers(hb).get(upscaler))]
         return UpscalerFacts.cautious(ups) if ups else None
+    if enginekey.CONTROL in name or enginekey.EMBEDDINGS in name:
+        return key_facts(heartbeats, name, lambda m: model_facts(heartbeats, m))
     found = [f for hb in heartbeats.values() if (f := heartbeat_models(hb).get(name))]
     return ModelFacts.cautious(found) if found else None
+
+
+def key_facts(
+    heartbeats: Mapping[str, Mapping[str, Any]], name: str, base: Any
+) -> ModelFacts | None:
+    """The facts of an engine key (sdfarm.native.enginekey: a model with a ControlNet and
+    embeddings): its model's facts (`base(model)`) with the ControlNet's and the embeddings'
+    bytes added, the largest copy any live worker lists; None when one part is unknown."""
+    key = enginekey.parse(name)
+    facts = base(key.model) if key is not None else None
+    if key is None or not isinstance(facts, ModelFacts):
+        return None
+    controlnets: dict[str, int] = {}
+    embeddings: dict[str, int] = {}
+    for hb in heartbeats.values():
+        for field_name, into in (("controlnets", controlnets), ("embeddings", embeddings)):
+            for n, size in (hb.get(field_name) or {}).items():
+                into[str(n)] = max(into.get(str(n), 0), _int(size))
+    extra = enginekey.extra_bytes(key, controlnets, embeddings)
+    if extra is None:
+        return None
+    return facts.with_extras(extra, CONTROL_HEADS if key.control_net else 0)
 
 
 def farm_upscalers(heartbeats: Mapping[str, Mapping[str, Any]]) -> list[str]:
@@ -330,6 +356,8 @@ class Snapshot:
     def model_facts(self, name: str) -> Facts | None:
         if upscaler_name(name) is not None:
             return model_facts(self.heartbeats, name)
+        if enginekey.CONTROL in name or enginekey.EMBEDDINGS in name:
+            return key_facts(self.heartbeats, name, self._index().get)
         return self._index().get(name)
 
     def models(self) -> list[str]:

@@ -48,6 +48,17 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
 
 
 @pytest.fixture(scope="session")
+def sd1_dir() -> Path:
+    """A models directory with the random-weight SD 1.x model `sd1-tiny` (q4_0), its
+    ControlNet `controlnets/sd1-control` and embeddings `embeddings/sd1-emb*`: the tiny model
+    takes neither ControlNet nor embeddings. Written once into ~/.cache/sdfarm/testmodels
+    (about 14 s, 2 GB) and reused by every later session and CI run that keeps that cache."""
+    from sdfarm.native.sd1model import ensure_sd1_test_model
+
+    return ensure_sd1_test_model()
+
+
+@pytest.fixture(scope="session")
 def models_dir(tiny_models: list[Path]) -> Path:
     """The directory holding both tiny models (what `--models DIR` takes)."""
     return tiny_models[0].parent

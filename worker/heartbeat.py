@@ -193,6 +193,10 @@ class Heartbeat:
             "bad_models": self._models.bad,
             "loras": self._models.loras,
             "upscalers": self._models.upscalers,
+            # ControlNets ({name: bytes as loaded}) and embeddings ({name: bytes}): the
+            # scheduler adds them to an engine key's model (sdfarm.native.enginekey).
+            "controlnets": {n: f.resident_bytes for n, f in ctx.controlnets.all().items()},
+            "embeddings": ctx.embeddings.sizes(),
             "queue": ctx.store.queue_length(cfg.device_key),
             "state": state,
             "current_job": ctx.current_job,

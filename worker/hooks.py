@@ -49,6 +49,8 @@ class WorkerConfig:
     celery_hostname: str = ""
     lora_dirs: list[str] = field(default_factory=list)  # besides each models dir's loras/
     upscaler_dirs: list[str] = field(default_factory=list)  # besides each one's upscalers/
+    controlnet_dirs: list[str] = field(default_factory=list)  # besides each one's controlnets/
+    embedding_dirs: list[str] = field(default_factory=list)  # besides each one's embeddings/
     results: str = "redis"  # where images go (sdfarm.store.results)
     engines: int = 1  # engine slots on the device: pool processes running jobs at once
     slots_dir: str | None = None  # the slots' shared folder (sdfarm.worker.slots), N > 1
@@ -89,6 +91,8 @@ class Context:
 
     def __init__(self, config: WorkerConfig) -> None:
         from sdfarm.native.catalog import Catalog
+        from sdfarm.native.controlnets import ControlNetCatalog, controlnet_dirs
+        from sdfarm.native.embeddings import EmbeddingCatalog, embedding_dirs
         from sdfarm.native.loras import LoraCatalog, lora_dirs
         from sdfarm.native.upscalers import UpscalerCatalog, upscaler_dirs
         from sdfarm.store import Store
@@ -111,6 +115,8 @@ class Context:
         self.catalog = Catalog(config.models)
         self.loras = LoraCatalog(lora_dirs(config.models, config.lora_dirs))
         self.upscalers = UpscalerCatalog(upscaler_dirs(config.models, config.upscaler_dirs))
+        self.controlnets = ControlNetCatalog(controlnet_dirs(config.models, config.controlnet_dirs))
+        self.embeddings = EmbeddingCatalog(embedding_dirs(config.models, config.embedding_dirs))
         capacity, overflow = cache_limits(config)
         self.cache = EngineCache(
             self._load_engine,

@@ -75,6 +75,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(repeatable; default $SDFARM_UPSCALERS)",
     )
     parser.add_argument(
+        "--controlnet-dir",
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="a folder of ControlNet files besides each models directory's controlnets/ "
+        "(repeatable; default $SDFARM_CONTROLNETS)",
+    )
+    parser.add_argument(
+        "--embedding-dir",
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="a folder of textual-inversion embeddings besides each models directory's "
+        "embeddings/ (repeatable; default $SDFARM_EMBEDDINGS)",
+    )
+    parser.add_argument(
         "--results",
         default=os.environ.get("SDFARM_RESULTS") or "redis",
         metavar="URL",
@@ -196,6 +212,8 @@ def build_config(args: argparse.Namespace) -> Any:
         pins=list(args.pin),
         lora_dirs=list(args.lora_dir),
         upscaler_dirs=list(args.upscaler_dir),
+        controlnet_dirs=list(args.controlnet_dir),
+        embedding_dirs=list(args.embedding_dir),
         threads=args.threads,
         backend=args.backend or os.environ.get("SDFARM_BACKEND"),
         celery_hostname=f"sdfarm.{device.name}@{host}",

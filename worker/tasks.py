@@ -17,11 +17,12 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import fields
+from dataclasses import asdict, fields
 from typing import Any
 
-from sdfarm.native import images, logs, upscale_params, video_params
-from sdfarm.native.engine import LogConfig
+from sdfarm.native import enginekey, images, logs, upscale_params, video_params
+from sdfarm.native.controlnets import CONTROL_HEADS
+from sdfarm.native.engine import LogConfig, ModelWith, check_extras, extras_bytes
 from sdfarm.native.errors import EngineError, InvalidParameterError, ModelTooLargeError
 from sdfarm.native.estimate import model_facts, upscaler_facts
 from sdfarm.native.params import IMAGE_PARAMS, attach_images, from_mapping, validate
@@ -137,9 +138,23 @@ class JobRun:
     def _prepare_generate(self, spec: JobSpec, claimed: Claim) -> tuple[Any, Callable[[], Any]]:
         """A generation's checked parameters, model, LoRAs and engine: (engine, the call)."""
         params = validate(from_mapping(self._with_inputs(spec.params)))
-        model = self.ctx.catalog.load(spec.model)
+        # The job's model may be an engine key (sdfarm.native.enginekey): the model with a
+        # ControlNet and embeddings, which its engine is loaded with.
+        # (Not a key: taken as a model's name, which the catalog refuses when it is not one.)
+        key = enginekey.parse(spec.model) or enginekey.EngineKey(spec.model)
+        enginekey.check_key(spec.model, key.model, asdict(params))
+        if not key.plain:  # the result names the model, and the engine it ran on
+            self.meta.update(model=key.model, engine=spec.model)
+        model = self.ctx.catalog.load(key.model)
         refuse_video_model(model)  # before its engine loads: it makes no images
+        control_net = self.ctx.controlnets.load(key.control_net) if key.control_net else None
+        embeddings = tuple(self.ctx.embeddings.load(n) for n in key.embeddings)
+        check_extras(model, control_net, embeddings)
         facts = model_facts(model, self.ctx.config.device)
+        heads = CONTROL_HEADS if control_net is not None else 0
+        facts = facts.with_extras(extras_bytes(control_net, embeddings), heads)
+        if not key.plain:
+            model = ModelWith(model, control_net, embeddings)
         loras = {name: self.ctx.loras.load(name) for name, _ in params.loras}
         extra = sum(f.size for f in loras.values())
         ups = {}

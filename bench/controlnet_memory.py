@@ -1,0 +1,138 @@
+"""Peak memory of a ControlNet generation on the CPU against its estimate.
+
+Each case runs in a fresh process with the random-weight SD 1.x model (sdfarm.native.sd1model:
+UNet + CLIP-L q4_0, TAESD) and its ControlNet: load the engine (with the ControlNet, with an
+embedding too, or neither), generate one image of the size (1 step, a random control image),
+encode the PNG, and report the process's peak RSS (ru_maxrss) beside the job's estimate (the
+engine's `metadata["estimate"]`, the figure the scheduler places by), the runtime's own count
+of the ControlNet's parameters ("controlnet N MB" in its load record) beside ours
+(`ControlNetFile.resident_bytes`), and the load and generate times.
+
+    python bench/controlnet_memory.py [--models DIR] [--out FILE] [--sizes 64,256,512]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+KINDS = ("plain", "controlnet", "controlnet+embedding")
+
+
+def child(models: str, kind: str, size: int) -> dict:
+    """One case in this process."""
+    import io
+    import resource
+
+    import numpy as np
+    from PIL import Image
+
+    from sdfarm.native.controlnets import ControlNetCatalog, controlnet_dirs
+    from sdfarm.native.embeddings import EmbeddingCatalog, embedding_dirs
+    from sdfarm.native.engine import Engine, LogConfig
+    from sdfarm.native.params import GenerationParams
+
+    root = Path(models)
+    control_net = embeddings = None
+    extra: dict = {}
+    if kind != "plain":
+        control_net = ControlNetCatalog(controlnet_dirs([root])).load("sd1-control")
+        pixels = np.random.default_rng(1).integers(0, 256, (size, size, 3), dtype=np.uint8)
+        buf = io.BytesIO()
+        Image.fromarray(pixels, "RGB").save(buf, "PNG")
+        extra = {"control_net": "sd1-control", "control_image": buf.getvalue()}
+    if kind == "controlnet+embedding":
+        embeddings = [EmbeddingCatalog(embedding_dirs([root])).load("sd1-emb")]
+        extra["embeddings"] = "sd1-emb"
+    t = time.monotonic()
+    engine = Engine.load(root / "sd1-tiny", threads=2, log=LogConfig(level="info"),
+                         control_net=control_net, embeddings=embeddings or ())  # fmt: skip
+    load_s = time.monotonic() - t
+    records = [r.message for r in engine.drain_load_records()]
+    params = GenerationParams(prompt="a bench sd1-emb", width=size, height=size, steps=1, seed=1,
+                              **extra)  # fmt: skip
+    t = time.monotonic()
+    result = engine.generate(params)
+    generate_s = time.monotonic() - t
+    png = io.BytesIO()
+    result.image.save(png, "PNG")
+    engine.dispose()
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    runtime_cn = next(
+        (float(m.group(1)) for r in records if (m := re.search(r"controlnet ([\d.]+)MB", r))),
+        None,
+    )
+    estimate = int(result.metadata["estimate"])
+    return {
+        "kind": kind,
+        "size": f"{size}x{size}",
+        "peak_rss": peak,
+        "estimate": estimate,
+        "covered": estimate >= peak,
+        "estimate_over_peak": round(estimate / peak, 2),
+        "controlnet_runtime_mib": runtime_cn,
+        "controlnet_ours_mib": round(control_net.resident_bytes / 2**20, 2)
+        if control_net
+        else None,
+        "load_s": round(load_s, 2),
+        "generate_s": round(generate_s, 2),
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", help="a models dir holding sd1-tiny (default: the test cache)")
+    ap.add_argument("--out", help="write the results as JSON here")
+    ap.add_argument("--sizes", default="64,256,512,768")
+    ap.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        models, kind, size = args.child
+        print(json.dumps(child(models, kind, int(size))))
+        return 0
+    models = args.models
+    if models is None:
+        from sdfarm.native.sd1model import ensure_sd1_test_model
+
+        models = str(ensure_sd1_test_model())
+    rows = []
+    for size in [int(s) for s in args.sizes.split(",")]:
+        for kind in KINDS:
+            cmd = [sys.executable, __file__, "--child", models, kind, str(size)]
+            out = subprocess.run(cmd, capture_output=True, text=True, check=True)
+            row = json.loads(out.stdout.strip().splitlines()[-1])
+            rows.append(row)
+            cn = (
+                f"  ControlNet runtime {row['controlnet_runtime_mib']} MiB, ours "
+                f"{row['controlnet_ours_mib']} MiB"
+                if row["controlnet_ours_mib"]
+                else ""
+            )
+            print(
+                f"{row['kind']:21} {row['size']:>9}  peak {row['peak_rss'] / 2**20:7.1f} MiB  "
+                f"estimate {row['estimate'] / 2**20:7.1f} MiB  x{row['estimate_over_peak']}  "
+                f"load {row['load_s']} s  generate {row['generate_s']} s{cn}",
+                flush=True,
+            )
+    doc = {
+        "what": "peak RSS of one SD 1.x generation (fresh process, 1 step, PNG encoded) with "
+        "a ControlNet, with a ControlNet and an embedding, and with neither, vs the job's "
+        "estimate; the random-weight SD 1.x test model (q4_0 UNet and CLIP-L, TAESD) and its "
+        "q4_0 ControlNet",
+        "device": "CPU",
+        "threads": 2,
+        "rows": rows,
+        "all_covered": all(r["covered"] for r in rows),
+    }
+    if args.out:
+        Path(args.out).write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
+    return 0 if doc["all_covered"] else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
