@@ -1,14 +1,16 @@
-"""Peak memory of a ControlNet generation on the CPU against its estimate.
+"""Peak memory of a ControlNet generation against its estimate, on the CPU or a CUDA device.
 
 Each case runs in a fresh process with the random-weight SD 1.x model (sdfarm.native.sd1model:
 UNet + CLIP-L q4_0, TAESD) and its ControlNet: load the engine (with the ControlNet, with an
 embedding too, or neither), generate one image of the size (1 step, a random control image),
-encode the PNG, and report the process's peak RSS (ru_maxrss) beside the job's estimate (the
+encode the PNG, and report the peak (the process's peak RSS, ru_maxrss; on a CUDA device
+nvidia-smi's memory.used above its reading before, bench/gpupeak.py) beside the job's estimate (the
 engine's `metadata["estimate"]`, the figure the scheduler places by), the runtime's own count
 of the ControlNet's parameters ("controlnet N MB" in its load record) beside ours
 (`ControlNetFile.resident_bytes`), and the load and generate times.
 
-    python bench/controlnet_memory.py [--models DIR] [--out FILE] [--sizes 64,256,512]
+    python bench/controlnet_memory.py [--models DIR] [--out FILE] [--sizes 64,256,512] \
+        [--device CUDA0]
 """
 
 from __future__ import annotations
@@ -21,15 +23,18 @@ import sys
 import time
 from pathlib import Path
 
+import gpupeak
+
 KINDS = ("plain", "controlnet", "controlnet+embedding")
 
 
-def child(models: str, kind: str, size: int) -> dict:
-    """One case in this process."""
+def child(models: str, kind: str, size: int, device: str) -> dict:
+    """One case in this process (no numpy before the runtime loads: on the H200 host that
+    crashed it, docs/gpu.md)."""
     import io
+    import random
     import resource
 
-    import numpy as np
     from PIL import Image
 
     from sdfarm.native.controlnets import ControlNetCatalog, controlnet_dirs
@@ -42,15 +47,15 @@ def child(models: str, kind: str, size: int) -> dict:
     extra: dict = {}
     if kind != "plain":
         control_net = ControlNetCatalog(controlnet_dirs([root])).load("sd1-control")
-        pixels = np.random.default_rng(1).integers(0, 256, (size, size, 3), dtype=np.uint8)
+        pixels = random.Random(1).randbytes(size * size * 3)
         buf = io.BytesIO()
-        Image.fromarray(pixels, "RGB").save(buf, "PNG")
+        Image.frombytes("RGB", (size, size), pixels).save(buf, "PNG")
         extra = {"control_net": "sd1-control", "control_image": buf.getvalue()}
     if kind == "controlnet+embedding":
         embeddings = [EmbeddingCatalog(embedding_dirs([root])).load("sd1-emb")]
         extra["embeddings"] = "sd1-emb"
     t = time.monotonic()
-    engine = Engine.load(root / "sd1-tiny", threads=2, log=LogConfig(level="info"),
+    engine = Engine.load(root / "sd1-tiny", threads=2, log=LogConfig(level="info"), device=device,
                          control_net=control_net, embeddings=embeddings or ())  # fmt: skip
     load_s = time.monotonic() - t
     records = [r.message for r in engine.drain_load_records()]
@@ -89,23 +94,40 @@ def main() -> int:
     ap.add_argument("--models", help="a models dir holding sd1-tiny (default: the test cache)")
     ap.add_argument("--out", help="write the results as JSON here")
     ap.add_argument("--sizes", default="64,256,512,768")
+    ap.add_argument("--device", default="cpu", help="cpu (default) or CUDA0, ...")
+    ap.add_argument("--deadline", type=float, default=None, help="no new case after this (s)")
     ap.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         models, kind, size = args.child
-        print(json.dumps(child(models, kind, int(size))))
+        print(json.dumps(child(models, kind, int(size), args.device)))
         return 0
+    t0 = time.monotonic()
     models = args.models
     if models is None:
         from sdfarm.native.sd1model import ensure_sd1_test_model
 
-        models = str(ensure_sd1_test_model())
+        models = str(ensure_sd1_test_model())  # numpy: in this process, not the children
     rows = []
     for size in [int(s) for s in args.sizes.split(",")]:
         for kind in KINDS:
-            cmd = [sys.executable, __file__, "--child", models, kind, str(size)]
-            out = subprocess.run(cmd, capture_output=True, text=True, check=True)
-            row = json.loads(out.stdout.strip().splitlines()[-1])
+            if args.deadline is not None and time.monotonic() - t0 > args.deadline:
+                print(f"{kind} {size}: skipped (deadline)", flush=True)
+                continue
+            cmd = [sys.executable, __file__, "--child", models, kind, str(size),
+                   "--device", args.device]  # fmt: skip
+            try:
+                stdout, peak_gpu = gpupeak.run_sampled(cmd, args.device)
+            except subprocess.CalledProcessError as exc:
+                print(f"{kind} {size}: failed: {(exc.stderr or '')[-800:]}", flush=True)
+                rows.append({"kind": kind, "size": f"{size}x{size}", "failed": True,
+                             "covered": False})  # fmt: skip
+                continue
+            row = json.loads(stdout.strip().splitlines()[-1])
+            if peak_gpu is not None:  # on a GPU the estimate is for the device's memory
+                row["peak_rss_host"], row["peak_rss"] = row["peak_rss"], peak_gpu
+                row["covered"] = row["estimate"] >= peak_gpu
+                row["estimate_over_peak"] = round(row["estimate"] / max(1, peak_gpu), 2)
             rows.append(row)
             cn = (
                 f"  ControlNet runtime {row['controlnet_runtime_mib']} MiB, ours "
@@ -124,7 +146,7 @@ def main() -> int:
         "a ControlNet, with a ControlNet and an embedding, and with neither, vs the job's "
         "estimate; the random-weight SD 1.x test model (q4_0 UNet and CLIP-L, TAESD) and its "
         "q4_0 ControlNet",
-        "device": "CPU",
+        "device": args.device,
         "threads": 2,
         "rows": rows,
         "all_covered": all(r["covered"] for r in rows),

@@ -21,8 +21,6 @@ import contextlib
 import json
 import os
 import platform
-import shutil
-import subprocess
 import sys
 import tempfile
 import threading
@@ -32,29 +30,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from gpupeak import gpu_index, gpu_used_mib
 from tinymodel import tiny_model  # noqa: E402
-
-
-def gpu_index(device: str) -> str | None:
-    """nvidia-smi's index of a CUDA device name ("CUDA1" -> "1"), None for others."""
-    if not device.upper().startswith("CUDA") or shutil.which("nvidia-smi") is None:
-        return None
-    digits = device[4:]
-    visible = [v for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v]
-    n = int(digits or 0)
-    return visible[n] if n < len(visible) else str(n)
-
-
-def gpu_used_mib(index: str) -> int | None:
-    try:
-        out = subprocess.run(
-            ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits",
-             "-i", index],
-            capture_output=True, text=True, timeout=10, check=True,
-        ).stdout  # fmt: skip
-        return int(out.strip().splitlines()[0])
-    except (OSError, ValueError, IndexError, subprocess.SubprocessError):
-        return None
 
 
 def tree_rss(pid: int) -> int:

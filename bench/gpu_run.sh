@@ -17,7 +17,7 @@
 #   bash bench/gpu_run.sh tilingpeer # both in one call
 #   bash bench/gpu_run.sh decodefarm # size limit, decode options, efficiency, 5,000-job batch
 #   bash bench/gpu_run.sh lanes     # engine slots: batch, images/s per N, GPU busy fraction
-#   bash bench/gpu_run.sh extras    # video peak vs estimate on CUDA; the farm with TAESD
+#   bash bench/gpu_run.sh extras    # video and ControlNet peak vs estimate; the farm with TAESD
 #   bash bench/gpu_run.sh decodefarm # CUDA size limit (#12), VAE decode options and 500-job
 #                                    # GPU efficiency (#15), 5,000-job file-store batch (#14)
 #
@@ -425,26 +425,27 @@ lanes() {
     nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader || true
 }
 
-# Issues #12 and #15: a video job's GPU peak against its estimate (the random-weight Wan2.1
-# T2V 1.3B test model, up to Wan's own 480x832x81), and the farm's images/s with TAESD as the
-# decoder (the full-size model's TAESD variant). DRY=1 runs it small on a CPU.
+# Issues #12 and #15: the GPU peak against the estimate of a video job (the random-weight
+# Wan2.1 T2V 1.3B test model, up to Wan's own 480x832x81) and of a ControlNet job (the SD 1.x
+# test model and its ControlNet), then the farm's images/s with TAESD as the decoder (the
+# full-size model's TAESD variant). DRY=1 runs it small on a CPU.
 extras() {
     ensure
     mkdir -p "$OUT/cuda"
-    local dev=CUDA0 vc=256x256x17,480x832x17,480x832x33,480x832x81 sz=512 big=1024 n1=40 n2=16
-    if [ "${DRY:-0}" = 1 ]; then dev=cpu vc=32x32x5 sz=64 big=128 n1=4 n2=2; fi
-    stage 170 video bench/video_memory.py --device "$dev" --cases "$vc" \
+    local dev=CUDA0 vc=256x256x17,480x832x17,480x832x33,480x832x81 cs=512,1024 sz=512 big=1024
+    local n1=40 n2=16
+    if [ "${DRY:-0}" = 1 ]; then dev=cpu vc=32x32x5 cs=64 sz=64 big=128 n1=4 n2=2; fi
+    stage 150 video bench/video_memory.py --device "$dev" --cases "$vc" \
         --out "$OUT/cuda/cuda-video-memory.json"
+    stage 110 controlnet bench/controlnet_memory.py --device "$dev" --sizes "$cs" \
+        --out "$OUT/cuda/cuda-controlnet-memory.json"
     [ "$dev" = cpu ] && dev=CPU
-    stage 70 taesd-512 bench/farm_engines.py --device "$dev" --model "$TAESD" \
+    stage 60 taesd-512 bench/farm_engines.py --device "$dev" --model "$TAESD" \
         --engines 1,2 --jobs "$n1" --size "$sz" --steps 1 --timeout 120 \
         --out "$OUT/cuda/cuda-farm-engines-taesd-512.json"
-    stage 50 taesd-1024 bench/farm_engines.py --device "$dev" --model "$TAESD" \
+    stage 45 taesd-1024 bench/farm_engines.py --device "$dev" --model "$TAESD" \
         --engines 2 --jobs "$n2" --size "$big" --steps 1 --timeout 120 \
         --out "$OUT/cuda/cuda-farm-engines-taesd-1024.json"
-    if [ -n "${CONTROL_BENCH:-}" ]; then
-        stage 90 controlnet $CONTROL_BENCH --out "$OUT/cuda/cuda-controlnet-memory.json"
-    fi
     nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader || true
 }
 

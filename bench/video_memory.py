@@ -19,6 +19,8 @@ import sys
 import time
 from pathlib import Path
 
+import gpupeak
+
 # (width, height, frames)
 CASES = (
     (32, 32, 5),
@@ -68,21 +70,6 @@ def child(w: int, h: int, frames: int, device: str, model: str) -> dict:
     }
 
 
-def gpu_used_mib(index: int) -> float | None:
-    import shutil
-
-    if shutil.which("nvidia-smi") is None:
-        return None
-    out = subprocess.run(
-        ["nvidia-smi", f"--id={index}", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
-        capture_output=True, text=True, check=False,
-    )  # fmt: skip
-    try:
-        return float(out.stdout.strip().splitlines()[0])
-    except (ValueError, IndexError):
-        return None
-
-
 def test_model() -> str:
     """The cached Wan test model's folder, written (numpy) in a process of its own."""
     code = "from sdfarm.native.wantestmodel import cached_wan_test_model as m; print(m())"
@@ -92,32 +79,13 @@ def test_model() -> str:
 
 def run_case(w: int, h: int, frames: int, device: str, model: str) -> dict:
     """A case in a child process; on CUDA, its GPU peak sampled from here."""
-    import threading
-
     cmd = [sys.executable, __file__, "--child", str(w), str(h), str(frames), "--device", device,
            "--model", model]  # fmt: skip
-    gpu = int(device[4:] or 0) if device.upper().startswith("CUDA") else None
-    base = gpu_used_mib(gpu) if gpu is not None else None
-    peak = [base or 0.0]
-    stop = threading.Event()
-
-    def sample() -> None:
-        while not stop.wait(0.05):
-            used = gpu_used_mib(gpu) if gpu is not None else None
-            if used is not None:
-                peak[0] = max(peak[0], used)
-
-    sampler = threading.Thread(target=sample, daemon=True)
-    if gpu is not None:
-        sampler.start()
-    try:
-        out = subprocess.run(cmd, capture_output=True, text=True, check=True)
-    finally:
-        stop.set()
-    row = json.loads(out.stdout.strip().splitlines()[-1])
-    if gpu is not None and base is not None:
+    stdout, peak_gpu = gpupeak.run_sampled(cmd, device)
+    row = json.loads(stdout.strip().splitlines()[-1])
+    if peak_gpu is not None:
         row["peak_rss_host"] = row["peak_rss"]
-        row["peak_gpu"] = int((peak[0] - base) * 2**20)
+        row["peak_gpu"] = peak_gpu
         row["peak_rss"] = row["peak_gpu"]  # the figure the estimate is for on a GPU
         row["covered"] = row["estimate"] >= row["peak_gpu"]
         row["estimate_over_peak"] = round(row["estimate"] / max(1, row["peak_gpu"]), 2)
