@@ -57,6 +57,9 @@ class ModelFacts:
     control_heads: int = 0
     """The attention heads of a ControlNet the engine holds (0: none), whose attention runs
     without flash attention (`control_working`)."""
+    context: int = 0
+    """What the device's backend holds per engine process beyond the model's terms
+    (CUDA_CONTEXT_BYTES on CUDA, 0 elsewhere): every slot is a process with its own."""
 
     def estimate(
         self,
@@ -76,20 +79,28 @@ class ModelFacts:
         per_pixel = self.decode_per_pixel * (2 if encodes else 1)
         control = self.control_working(int(width), int(height))
         if tiled:
-            return control + memory.tiled_estimate_bytes(
+            return (
+                self.context
+                + control
+                + memory.tiled_estimate_bytes(
+                    self.bytes + extra_bytes,
+                    int(width),
+                    int(height),
+                    nw * nh,
+                    VAE_TILE_PIXELS,
+                    decode_per_pixel=per_pixel,
+                )
+            )
+        return (
+            self.context
+            + control
+            + memory.estimate_bytes(
                 self.bytes + extra_bytes,
                 int(width),
                 int(height),
                 nw * nh,
-                VAE_TILE_PIXELS,
                 decode_per_pixel=per_pixel,
             )
-        return control + memory.estimate_bytes(
-            self.bytes + extra_bytes,
-            int(width),
-            int(height),
-            nw * nh,
-            decode_per_pixel=per_pixel,
         )
 
     def video_estimate(self, width: int, height: int, frames: int, encodes: bool = False) -> int:
@@ -129,6 +140,7 @@ class ModelFacts:
             "native_size": list(self.native_size),
             "decode_per_pixel": self.decode_per_pixel,
             **({"control_heads": self.control_heads} if self.control_heads else {}),
+            **({"context": self.context} if self.context else {}),
         }
         if self.video:
             doc["video"] = self.video
@@ -144,6 +156,7 @@ class ModelFacts:
             int(doc.get("decode_per_pixel") or 0),
             str(doc.get("video") or ""),
             int(doc.get("control_heads") or 0),
+            int(doc.get("context") or 0),
         )
 
     @classmethod
@@ -159,6 +172,7 @@ class ModelFacts:
             max(f.decode_per_pixel for f in facts),
             video,
             max(f.control_heads for f in facts),
+            max(f.context for f in facts),
         )
 
     def with_extras(self, extra_bytes: int, control_heads: int = 0) -> ModelFacts:
@@ -181,7 +195,24 @@ def model_facts(model: Any, device: Device) -> ModelFacts:
         tuple(model.native_size),
         decode_bytes_per_pixel(model.files, device),
         found.desc if found else "",
+        context=context_bytes(device),
     )
+
+
+CUDA_CONTEXT_BYTES = 512 * memory.MiB
+"""What an engine's process holds on a CUDA device beyond the seed's estimate: the CUDA
+context with ggml's kernels and cuBLAS's workspace, which nvidia-smi counts against the card.
+Measured on the H200 (bench/controlnet_memory.py --device CUDA0, 2026-12-01,
+bench/results/gpu/cuda-controlnet-memory*.json): the random-weight SD 1.x model (q4_0, TAESD,
+1.46 GB of files) peaked at 2,073 MiB at 64x64, 680 MiB beyond its files, and at 2,575 MiB at
+512x512, 321 MiB over the seed's estimate (2,254 MiB): a quantized file's quarter is too small
+a margin for a context the file's size does not change. The full-size f16 model's larger
+quarter had hidden it (4.83 GiB peak against 6.04). Vulkan's is not measured: 0 there."""
+
+
+def context_bytes(device: Device) -> int:
+    """The per-process backend term of `device`'s estimates (CUDA_CONTEXT_BYTES on CUDA)."""
+    return CUDA_CONTEXT_BYTES if device.name.upper().startswith("CUDA") else 0
 
 
 def use_conv_direct(device: str) -> bool:

@@ -6,11 +6,12 @@ figures included: the worker computes them (tests/integration/test_worker.py cov
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
 from sdfarm.native.devices import Device
-from sdfarm.native.estimate import ModelFacts, decode_bytes_per_pixel
+from sdfarm.native.estimate import CUDA_CONTEXT_BYTES, ModelFacts, decode_bytes_per_pixel
 from sdfarm.native.memory import IM2COL_DECODE_BYTES_PER_PIXEL as IM2COL
 from sdfarm.native.memory import SEED_OVERHEAD
 from sdfarm.scheduler.placement import GiB, LoadedModel
@@ -289,3 +290,12 @@ def test_the_workers_facts_give_the_scheduler_the_engines_estimate(device, vae, 
         assert scheduler.estimate(w, h) == engine.estimate(w, h), (w, h)
     decodes = device.name.startswith("CUDA") and vae == "vae"
     assert (engine.decode_per_pixel > 0) == decodes
+    # A CUDA engine's process holds its context beside the model (CUDA_CONTEXT_BYTES):
+    # it survives the trip and counts at every size, resident included.
+    cuda = device.name.startswith("CUDA")
+    assert scheduler.context == engine.context == (CUDA_CONTEXT_BYTES if cuda else 0)
+    bare = replace(engine, context=0)
+    assert engine.resident() - bare.resident() == engine.context
+    assert engine.estimate(512, 512, tiled=True) - bare.estimate(512, 512, tiled=True) == (
+        engine.context
+    )
