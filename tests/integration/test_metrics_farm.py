@@ -20,7 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from sdfarm.client.farm import Farm
 from sdfarm.localfarm.farm import LocalFarm
-from sdfarm.store import JobSpec
+from sdfarm.store import JobSpec, keys
 
 from helpers.gateway import served_gateway
 
@@ -114,7 +114,14 @@ def test_counters_and_histograms_move_by_the_jobs_that_ran(
                 for i in range(BATCH)]  # fmt: skip
         for job in jobs:
             assert job.wait(120) == "done"
-        worker = scrape(f"http://127.0.0.1:{ports['worker:CPU']}/metrics")
+        # The worker exports what its heartbeat says, which lags a load by up to an interval.
+        worker_url = f"http://127.0.0.1:{ports['worker:CPU']}/metrics"
+        worker = scrape(worker_url)
+        settle = time.monotonic() + 3 * keys.HEARTBEAT_INTERVAL
+        while not value(worker, "sdfarm_model_loaded_bytes", device=DEVICE, model=MODEL):
+            assert time.monotonic() < settle, "no heartbeat listed the loaded engine"
+            time.sleep(0.2)
+            worker = scrape(worker_url)
         # A width the runtime cannot take: the worker refuses it before any native call.
         bad = client.submit_spec(JobSpec(model=MODEL, params={**SMALL, "width": 7}))
         assert bad.wait(60) == "failed"
