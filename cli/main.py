@@ -8,7 +8,7 @@ import contextlib
 import json
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -69,6 +69,37 @@ def fail(args: argparse.Namespace, exc: BaseException, out: Any = None) -> int:
     else:
         print(f"error: {exc}", file=sys.stderr)
     return exit_code(exc)
+
+
+def run_one_job(
+    args: argparse.Namespace,
+    checked: Callable[[], Any],
+    in_process: Callable[[argparse.Namespace, Any], dict[str, Any]],
+    on_farm: Callable[[argparse.Namespace, Any], dict[str, Any]],
+    summary: Callable[[dict[str, Any]], str],
+) -> int:
+    """The body of a one-job command (`upscale`, `video`): its checked parameters
+    (`checked()`), run here (`--in-process`) or on the farm, then one JSON document on stdout
+    (`--json`) or a summary line; a bad input, a refusal or a farm error become a message and
+    the exit code of their kind."""
+    from sdfarm.native.errors import EngineError
+
+    with stdout_reserved(args.json and args.in_process) as out:
+        try:
+            params = checked()
+            doc = (in_process if args.in_process else on_farm)(args, params)
+        except KeyboardInterrupt:
+            return 130
+        except (EngineError, ValueError, OSError) as exc:
+            return fail(args, exc, out)
+        except Exception as exc:  # noqa: BLE001 - farm errors become a message and EXIT_FARM
+            rc = fail(args, exc, out)
+            return EXIT_FARM if exit_code(exc) == 1 else rc
+        if args.json:
+            emit(doc, out)
+        else:
+            print(summary(doc), file=out)
+    return 0
 
 
 # -- native commands ------------------------------------------------------------------------

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from sdfarm.cli.main import EXIT_FARM, emit, exit_code, fail, stdout_reserved
+from sdfarm.cli.main import run_one_job
 from sdfarm.cli.options import add_option_flags, add_upscale_flags, given_options, given_upscale
 
 
@@ -39,31 +39,19 @@ def add_upscale_command(sub: Any) -> None:
 
 def cmd_upscale(args: argparse.Namespace) -> int:
     from sdfarm.native import upscale_params
-    from sdfarm.native.errors import EngineError
 
-    with stdout_reserved(args.json and args.in_process) as out:
-        try:
-            values = upscale_params.read_image_file(given_upscale(args))
-            params = upscale_params.validate(upscale_params.from_mapping(values))
-            run = _in_process if args.in_process else _on_farm
-            doc = run(args, params)
-        except KeyboardInterrupt:
-            return 130
-        except (EngineError, ValueError, OSError) as exc:
-            return fail(args, exc, out)
-        except Exception as exc:  # noqa: BLE001 - farm errors become a message and EXIT_FARM
-            rc = fail(args, exc, out)
-            return EXIT_FARM if exit_code(exc) == 1 else rc
-        if args.json:
-            emit(doc, out)
-        else:
-            print(
-                f"{doc['output']}: {doc['input_size'][0]}x{doc['input_size'][1]} -> "
-                f"{doc['output_size'][0]}x{doc['output_size'][1]} ({doc['upscaler']}, x"
-                f"{doc['factor']}), {doc['timings'].get('upscale_s', '?')} s on {doc['device']}",
-                file=out,
-            )
-    return 0
+    def checked() -> Any:
+        values = upscale_params.read_image_file(given_upscale(args))
+        return upscale_params.validate(upscale_params.from_mapping(values))
+
+    def summary(doc: dict[str, Any]) -> str:
+        return (
+            f"{doc['output']}: {doc['input_size'][0]}x{doc['input_size'][1]} -> "
+            f"{doc['output_size'][0]}x{doc['output_size'][1]} ({doc['upscaler']}, x"
+            f"{doc['factor']}), {doc['timings'].get('upscale_s', '?')} s on {doc['device']}"
+        )
+
+    return run_one_job(args, checked, _in_process, _on_farm, summary)
 
 
 def _write(path: str, png: bytes) -> str:

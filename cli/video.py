@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from sdfarm.cli.main import EXIT_FARM, emit, exit_code, fail, stdout_reserved
+from sdfarm.cli.main import run_one_job
 from sdfarm.cli.options import _add, add_option_flags, given_options
 from sdfarm.native.video_params import VIDEO_PARAMS
 
@@ -50,31 +50,19 @@ def given_video(args: argparse.Namespace) -> dict[str, Any]:
 
 def cmd_video(args: argparse.Namespace) -> int:
     from sdfarm.native import video_params
-    from sdfarm.native.errors import EngineError
 
-    with stdout_reserved(args.json and args.in_process) as out:
-        try:
-            values = video_params.read_image_files(given_video(args))
-            params = video_params.validate(video_params.from_mapping(values))
-            run = _in_process if args.in_process else _on_farm
-            doc = run(args, params)
-        except KeyboardInterrupt:
-            return 130
-        except (EngineError, ValueError, OSError) as exc:
-            return fail(args, exc, out)
-        except Exception as exc:  # noqa: BLE001 - farm errors become a message and EXIT_FARM
-            rc = fail(args, exc, out)
-            return EXIT_FARM if exit_code(exc) == 1 else rc
-        if args.json:
-            emit(doc, out)
-        else:
-            print(
-                f"{doc['webp']}: {doc['frames']} frames of {doc['width']}x{doc['height']} "
-                f"({doc['model']}), {doc['timings'].get('generate_s', '?')} s on "
-                f"{doc.get('device', '?')}",
-                file=out,
-            )
-    return 0
+    def checked() -> Any:
+        values = video_params.read_image_files(given_video(args))
+        return video_params.validate(video_params.from_mapping(values))
+
+    def summary(doc: dict[str, Any]) -> str:
+        return (
+            f"{doc['webp']}: {doc['frames']} frames of {doc['width']}x{doc['height']} "
+            f"({doc['model']}), {doc['timings'].get('generate_s', '?')} s on "
+            f"{doc.get('device', '?')}"
+        )
+
+    return run_one_job(args, checked, _in_process, _on_farm, summary)
 
 
 def _written(folder: Path, frames: list[bytes], webp: bytes) -> dict[str, Any]:
