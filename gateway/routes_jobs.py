@@ -72,10 +72,15 @@ def job_or_404(farm: Farm, job_id: str, who: Caller) -> Job:
 )
 def create_job(request: Request, body: Any = Depends(json_body)) -> Any:  # noqa: B008
     model, prompt, kwargs = submit_args(parse(JobRequest, body).model_dump())
+    farm = request.app.state.farm
+    return _queued(request, lambda **who: farm.submit(model, prompt, **who, **kwargs))
+
+
+def _queued(request: Request, submit: Any) -> dict[str, str]:
+    """Submit a job for the caller (`submit(owner=..., quota=...)`), remember it for the
+    status page and answer its id; a farm error becomes its HTTP error."""
     try:
-        job = request.app.state.farm.submit(
-            model, prompt, owner=caller(request).owner, quota=job_quota(request), **kwargs
-        )
+        job = submit(owner=caller(request).owner, quota=job_quota(request))
     except Exception as exc:  # noqa: BLE001
         raise _farm_error(exc) from None
     request.app.state.recent.add(job.id)
@@ -93,18 +98,9 @@ def create_upscale(request: Request, body: Any = Depends(json_body)) -> Any:  # 
     """An upscale job, queued like `POST /v1/jobs`: its result is read the same way
     (`GET /v1/jobs/{id}`, `/image.png`, `/events`), by the same owner."""
     values = upscale_args(parse(UpscaleRequest, body).model_dump())
-    try:
-        job = request.app.state.farm.upscale(
-            values.pop("image"),
-            values.pop("upscaler"),
-            owner=caller(request).owner,
-            quota=job_quota(request),
-            **values,
-        )
-    except Exception as exc:  # noqa: BLE001
-        raise _farm_error(exc) from None
-    request.app.state.recent.add(job.id)
-    return {"id": job.id, "state": "queued"}
+    image, upscaler = values.pop("image"), values.pop("upscaler")
+    farm = request.app.state.farm
+    return _queued(request, lambda **who: farm.upscale(image, upscaler, **who, **values))
 
 
 @router.post(
@@ -118,14 +114,8 @@ def create_video(request: Request, body: Any = Depends(json_body)) -> Any:  # no
     """A video job, queued like `POST /v1/jobs`: its frames are the job's images
     (`/image.png?i=N`), its animated WebP `/v1/jobs/{id}/video.webp`."""
     model, prompt, values = video_args(parse(VideoRequest, body).model_dump())
-    try:
-        job = request.app.state.farm.video(
-            model, prompt, owner=caller(request).owner, quota=job_quota(request), **values
-        )
-    except Exception as exc:  # noqa: BLE001
-        raise _farm_error(exc) from None
-    request.app.state.recent.add(job.id)
-    return {"id": job.id, "state": "queued"}
+    farm = request.app.state.farm
+    return _queued(request, lambda **who: farm.video(model, prompt, **who, **values))
 
 
 @router.get("/v1/upscalers", dependencies=[Depends(require_token)], responses=_errors(401, 503))
