@@ -55,7 +55,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
     except (EngineError, ValueError, OSError) as exc:
         return fail(args, exc)
     try:
-        doc["estimates"] = estimates(checked.out_dir, args.backend)
+        doc["estimates"] = estimates(checked.out_dir, checked.model.directory, args.backend)
     except Exception as exc:  # noqa: BLE001 - the model is written; the estimate is a bonus
         doc["estimates"] = []
         doc["estimate_error"] = f"{type(exc).__name__}: {exc}"
@@ -72,6 +72,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
               f"{format_bytes(f['before']):>10} -> {format_bytes(f['after'])}")  # fmt: skip
     for e in doc["estimates"]:
         verdict = "fits" if e["fits"] else "does not fit"
-        print(f"  estimate on {e['device']}: {format_bytes(e['estimate'])}, figure "
-              f"{format_bytes(e['figure'])}: {verdict}")  # fmt: skip
+        was = "fitted" if e["fitted_before"] else "did not fit"
+        print(f"  estimate on {e['device']}: {format_bytes(e['estimate_before'])} ({was}) -> "
+              f"{format_bytes(e['estimate'])} ({verdict}; figure "
+              f"{format_bytes(e['figure'])})")  # fmt: skip
     return 0

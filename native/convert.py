@@ -351,21 +351,30 @@ def _child_main() -> int:
     return 0 if out["ok"] else 1
 
 
-def estimates(model_dir: Path, backend: str | None = None) -> list[dict[str, Any]]:
-    """The new model's estimate at its native size on each of this host's devices, beside the
-    device's figure (what the memory check compares), as `sdfarm devices` reads them (in a
-    subprocess: the runtime is never initialised here)."""
+def estimates(
+    model_dir: Path, source_dir: Path | None = None, backend: str | None = None
+) -> list[dict[str, Any]]:
+    """The new model's estimate at its native size on each of this host's devices (and the
+    source's, `estimate_before`), beside the device's figure (what the memory check compares
+    an estimate with), as `sdfarm devices` reads them: in a subprocess, the runtime is never
+    initialised here."""
     from sdfarm.native.devices import gpu_figure
     from sdfarm.native.estimate import model_facts
     from sdfarm.native.probe import read_host_figures
 
     model = Model.from_dir(model_dir)
+    source = Model.from_dir(source_dir) if source_dir is not None else None
     out = []
     for dev in read_host_figures(backend).devices:
         est = model_facts(model, dev).estimate(*model.native_size)
         figure = dev.free if dev.type == "cpu" else gpu_figure(dev)
-        out.append({"device": dev.name, "estimate": est, "figure": figure,
-                    "fits": figure is not None and est <= figure})  # fmt: skip
+        row: dict[str, Any] = {"device": dev.name, "estimate": est, "figure": figure,
+                               "fits": figure is not None and est <= figure}  # fmt: skip
+        if source is not None:
+            before = model_facts(source, dev).estimate(*source.native_size)
+            row["estimate_before"] = before
+            row["fitted_before"] = figure is not None and before <= figure
+        out.append(row)
     return out
 
 
