@@ -24,7 +24,9 @@ Everything a user gives is checked before any native call (the type against the 
 header through `Model.from_dir`, the rules' patterns and types). The runtime then runs in a
 child process: it aborts its process on some inputs (an uncaught C++ exception on a bad
 regular expression, 283 asserts in its source), so a crash costs the command, not the caller,
-and is reported with the child's signal. The files are written into a hidden folder beside
+and is reported with the child's signal. The runtime builds a whole file's result in memory
+before it writes it (about the new file's size, plus what it reads): a child the kernel kills
+for memory is reported as such. The files are written into a hidden folder beside
 the source (`.NAME.converting-PID`, which the catalog never lists: names start with a letter
 or digit) that is renamed into place only when every file converted and its headers read
 back as a model; on any failure it is removed, so no half-written model folder survives.
@@ -301,6 +303,8 @@ def run_child(jobs: list[dict[str, Any]], p: ConvertPlan, timeout: float) -> dic
         except ValueError:
             signame = f"signal {sig}"
         tail = _scrub(done.stderr.strip()[-500:], p, tmp_prefix)
+        if sig == signal.SIGKILL:  # the runtime holds the whole converted file in memory
+            tail = tail or "probably out of memory: the conversion holds a whole file's result"
         raise ConversionError(
             f"the runtime's convert killed its process with {signame} (the caller is unharmed; "
             f"nothing was written){': ' + tail if tail else ''}",
