@@ -264,6 +264,9 @@ def build_parser() -> argparse.ArgumentParser:
     from sdfarm.cli.video import add_video_command
 
     add_video_command(sub)
+    from sdfarm.cli.convert import add_convert_command
+
+    add_convert_command(sub)
     return p
 
 

@@ -162,6 +162,9 @@ const char* sd_get_system_info(void);
 int32_t sd_get_num_physical_cores(void);
 const char* sd_sample_method_name(enum sample_method_t sample_method);
 const char* sd_scheduler_name(enum scheduler_t scheduler);
+const char* sd_type_name(enum sd_type_t type);
+bool convert(const char* input_path, const char* vae_path, const char* output_path,
+             enum sd_type_t output_type, const char* tensor_type_rules, bool convert_name);
 void free(void* ptr);
 
 typedef struct {
