@@ -20,41 +20,15 @@ from collections.abc import Mapping
 from typing import Any
 
 from sdfarm.native.errors import InvalidParameterError
-from sdfarm.native.params import MAX_BATCH, SAMPLERS, SCHEDULERS
+from sdfarm.native.infotext import (  # A1111's names and infotext, shared with the PNG chunk
+    SAMPLER_NAMES,
+    SCHEDULER_LABELS,
+    VERSION,
+    infotext,
+    sampler_name,
+)
+from sdfarm.native.params import MAX_BATCH
 
-# A1111's names (modules/sd_samplers_kdiffusion.py, sd_samplers_lcm.py, ...) for the runtime's
-# samplers; a client may also send the runtime's own names.
-SAMPLER_NAMES: dict[str, str] = {
-    "euler": "Euler",
-    "euler_a": "Euler a",
-    "heun": "Heun",
-    "dpm2": "DPM2",
-    "dpm++2s_a": "DPM++ 2S a",
-    "dpm++2m": "DPM++ 2M",
-    "dpm++2mv2": "DPM++ 2M v2",
-    "ipndm": "IPNDM",
-    "ipndm_v": "IPNDM_V",
-    "lcm": "LCM",
-    "ddim_trailing": "DDIM",
-    "tcd": "TCD",
-    "res_multistep": "Res Multistep",
-    "res_2s": "Res 2s",
-    "er_sde": "ER SDE",
-}
-SCHEDULER_LABELS: dict[str, str] = {
-    "discrete": "Discrete",
-    "karras": "Karras",
-    "exponential": "Exponential",
-    "ays": "Align Your Steps",
-    "gits": "GITS",
-    "sgm_uniform": "SGM Uniform",
-    "simple": "Simple",
-    "smoothstep": "Smoothstep",
-    "kl_optimal": "KL Optimal",
-    "lcm": "LCM",
-    "bong_tangent": "Bong Tangent",
-}
-assert set(SAMPLER_NAMES) == set(SAMPLERS) and set(SCHEDULER_LABELS) == set(SCHEDULERS)
 LATENT_UPSCALERS = (
     "Latent",
     "Latent (antialiased)",
@@ -64,7 +38,6 @@ LATENT_UPSCALERS = (
     "Latent (nearest-exact)",
 )
 LORA_TAG = re.compile(r"<lora:([^:>]+)(?::([-+0-9.eE]+))?>")
-VERSION = "sdfarm"
 
 
 def _key(name: str) -> str:
@@ -276,40 +249,13 @@ def prepare_mask(png: bytes, invert: bool, blur: int) -> bytes:
     return out.getvalue()
 
 
-def infotext(meta: Mapping[str, Any], seed: int, model: str) -> str:
-    """A1111's infotext of one image: the prompt, the negative prompt, then its settings."""
-    lines = [str(meta.get("prompt") or "")]
-    if meta.get("negative_prompt"):
-        lines.append(f"Negative prompt: {meta['negative_prompt']}")
-    settings = {
-        "Steps": meta.get("steps"),
-        "Sampler": SAMPLER_NAMES.get(str(meta.get("sampler")), meta.get("sampler")),
-        "Schedule type": SCHEDULER_LABELS.get(str(meta.get("scheduler")), "Automatic"),
-        "CFG scale": meta.get("cfg_scale"),
-        "Seed": seed,
-        "Size": f"{meta.get('width')}x{meta.get('height')}",
-        "Model": model,
-    }
-    if meta.get("init_image") or meta.get("strength") not in (None, 1.0, 0.75):
-        settings["Denoising strength"] = meta.get("strength")
-    if float(meta.get("hires_scale") or 1.0) > 1.0:
-        settings["Hires upscale"] = meta.get("hires_scale")
-        settings["Hires steps"] = meta.get("hires_steps")
-        settings["Denoising strength"] = meta.get("hires_strength")
-    if meta.get("loras"):
-        settings["Lora hashes"] = ", ".join(f"{n}: {w}" for n, w in meta["loras"])
-    settings["Version"] = VERSION
-    lines.append(", ".join(f"{k}: {v}" for k, v in settings.items() if v is not None))
-    return "\n".join(lines)
-
-
 def answer(
     pngs: list[bytes], meta: Mapping[str, Any], model: str, body: Mapping[str, Any]
 ) -> dict[str, Any]:
     """The txt2img/img2img response: base64 images, the request's parameters, and `info` as
     a JSON string (what A1111 clients json.loads)."""
     seeds = [int(s) for s in (meta.get("seeds") or [])] or [int(meta.get("seed") or 0)]
-    texts = [infotext(meta, s, model) for s in seeds]
+    texts = [infotext(meta, seed=s, model=model) for s in seeds]
     info = {
         "prompt": meta.get("prompt"),
         "all_prompts": [meta.get("prompt")] * len(pngs),
@@ -322,7 +268,7 @@ def answer(
         "subseed_strength": 0,
         "width": meta.get("width"),
         "height": meta.get("height"),
-        "sampler_name": SAMPLER_NAMES.get(str(meta.get("sampler")), meta.get("sampler")),
+        "sampler_name": sampler_name(meta.get("sampler")),
         "cfg_scale": meta.get("cfg_scale"),
         "steps": meta.get("steps"),
         "batch_size": len(pngs),

@@ -1,6 +1,8 @@
-"""PNG encoding with the generation parameters in a text chunk.
+"""PNG encoding with the generation parameters in two text chunks: ours (`sdfarm`, JSON, what
+read_params gives back) and A1111's infotext (`parameters`, sdfarm.native.infotext), the one
+image tools read.
 
-The chunk holds only what made the image (prompt, seed, size, steps, sampler, model, runtime
+The chunks hold only what made the image (prompt, seed, size, steps, sampler, model, runtime
 version), never timings or hosts, so the same seed gives the same PNG bytes everywhere.
 """
 
@@ -13,6 +15,7 @@ from typing import Any
 
 from PIL import Image, PngImagePlugin
 
+from sdfarm.native.infotext import infotext
 from sdfarm.native.params import NAMES
 from sdfarm.native.upscale_params import UPSCALE_NAMES
 from sdfarm.native.video_params import VIDEO_NAMES
@@ -26,18 +29,17 @@ the frame's index), the model and the runtime version."""
 
 
 def png_bytes(image: Image.Image, params: Mapping[str, Any], compress_level: int = 1) -> bytes:
-    """Encode `image`; `params` goes into an `sdfarm` iTXt chunk as JSON plus an A1111-style
-    `parameters` chunk that common image viewers show. Level 1 keeps encoding off the
-    critical path (about 4x faster than the default level 6 for a few percent more bytes)."""
+    """Encode `image`; `params` goes into an `sdfarm` iTXt chunk as JSON (what read_params gives
+    back) plus, for an image with a prompt, a `parameters` text chunk in AUTOMATIC1111's
+    infotext format (sdfarm.native.infotext), the one image viewers and readers such as
+    sd-parsers recognise. The chunk is tEXt, or iTXt when the text is not Latin-1, as A1111
+    writes it. Level 1 keeps encoding off the critical path (about 4x faster than the default
+    level 6 for a few percent more bytes)."""
     kept = {k: params[k] for k in PARAM_KEYS if k in params}
     info = PngImagePlugin.PngInfo()
     info.add_itxt("sdfarm", json.dumps(kept, sort_keys=True))
     if "prompt" in kept:
-        line = ", ".join(f"{k}: {kept[k]}" for k in PARAM_KEYS if k in kept and "prompt" not in k)
-        info.add_itxt(
-            "parameters",
-            f"{kept['prompt']}\nNegative prompt: {kept.get('negative_prompt', '')}\n{line}",
-        )
+        info.add_text("parameters", infotext(params))
     buf = io.BytesIO()
     image.save(buf, format="PNG", pnginfo=info, compress_level=compress_level)
     return buf.getvalue()

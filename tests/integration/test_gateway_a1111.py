@@ -136,7 +136,7 @@ def test_lora_tag_in_the_prompt(http: httpx.Client) -> None:
     assert tagged.status_code == 200, tagged.text
     info = json.loads(tagged.json()["info"])
     assert info["prompt"] == "a cat"
-    assert f"{TEST_LORA}: 0.9" in info["infotexts"][0]
+    assert info["infotexts"][0].startswith(f"a cat <lora:{TEST_LORA}:0.9>\n")  # as A1111 writes it
     assert plain["images"][0] != tagged.json()["images"][0]
     unknown = http.post("/txt2img", json={**body, "prompt": "a cat <lora:nope:1>"})
     assert unknown.status_code == 400 and "nope" in unknown.text
