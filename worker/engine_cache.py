@@ -179,6 +179,11 @@ class EngineCache:
             self._dispose(engine)
         if e is not None:
             return e.engine
+        return self._load_entry(name, estimate)
+
+    def _load_entry(self, name: str, estimate: int) -> Any:
+        """Load `name` (its `_loading` mark set by the caller, cleared here whatever happens)
+        and hold it as an entry in use by one job."""
         try:
             engine = self._loader(name)
         finally:
@@ -217,15 +222,7 @@ class EngineCache:
         with self._mu:
             self._loading = (name, estimate)
         self._notify()
-        try:
-            engine = self._loader(name)
-        finally:
-            with self._mu:
-                self._loading = None
-        with self._mu:
-            self._entries[name] = _Entry(
-                engine, estimate, name in self.pinned, users=1, last_used=self._clock()
-            )
+        engine = self._load_entry(name, estimate)
         self._notify()
         return engine
 
