@@ -47,6 +47,8 @@ MODEL_DIR = "sd-turbo-random"
 TAESD_DIR = "sd-turbo-random-taesd"
 CHECKPOINT = "model.safetensors"
 TAESD_FILE = "taesd.safetensors"
+LORA_NAME = "sd-turbo-lora"
+LORA_RANK = 64
 CHUNK = 1 << 22  # elements drawn at a time: 16 MB of float32
 
 # Component of a checkpoint tensor, by name prefix (for the per-component parameter counts).
@@ -254,6 +256,46 @@ def taesd_decoder_specs(z: int = 4, channels: int = 64, num_blocks: int = 3) -> 
     return out + _conv(f"{p}.{idx}", 3, channels)
 
 
+def _diffusers_transformer(ldm: str) -> str | None:
+    """The diffusers name of an SD 2.x UNet transformer's LDM prefix ("input_blocks.1.1" ->
+    "down_blocks.0.attentions.0"), None for anything else."""
+    parts = ldm.split(".")
+    if parts[0] == "middle_block" and parts[1] == "1":
+        return "mid_block.attentions.0"
+    if len(parts) < 3 or parts[2] != "1":
+        return None
+    i = int(parts[1])
+    if parts[0] == "input_blocks" and i % 3 in (1, 2) and i < 9:
+        return f"down_blocks.{i // 3}.attentions.{i % 3 - 1}"
+    if parts[0] == "output_blocks" and i >= 3:
+        return f"up_blocks.{i // 3}.attentions.{i % 3}"
+    return None
+
+
+def lora_specs(rank: int = LORA_RANK, arch: str = "sd-turbo") -> list[Spec]:
+    """A rank-`rank` LoRA on every linear layer of the UNet's transformers (attention q/k/v/out,
+    feed-forward, proj_in/proj_out) in kohya's layout, as most SD 1.x/2.x LoRAs are shared:
+    `lora_unet_<diffusers name with _>.lora_down/lora_up.weight` + `.alpha`. Rank 64 makes a
+    file of 55 MB in f16 (192 layers), the size of a common LoRA."""
+    out: list[Spec] = []
+    for name, shape, _ in checkpoint_specs(arch):
+        if not name.startswith("model.diffusion_model.") or len(shape) != 2:
+            continue
+        if "norm" in name or not name.endswith(".weight"):
+            continue
+        ldm = name.removeprefix("model.diffusion_model.")[: -len(".weight")]
+        head = ".".join(ldm.split(".")[: 3 if ldm.startswith(("input", "output")) else 2])
+        block = _diffusers_transformer(head)
+        if block is None:
+            continue
+        key = "lora_unet_" + (block + ldm[len(head) :]).replace(".", "_")
+        n_out, n_in = shape
+        out.append((f"{key}.lora_down.weight", (rank, n_in), "w"))
+        out.append((f"{key}.lora_up.weight", (n_out, rank), "w"))
+        out.append((f"{key}.alpha", (), float(rank)))
+    return out
+
+
 def checkpoint_specs(arch: str = "sd-turbo") -> list[Spec]:
     if arch not in ARCHS:
         raise ValueError(f"unknown arch {arch!r} (known: {', '.join(ARCHS)})")
@@ -371,7 +413,9 @@ def _peak_rss_mib() -> float | None:
     return None
 
 
-def make(out_dir: Path, arch: str, dtype: str, seed: int, taesd: bool) -> list[Path]:
+def make(
+    out_dir: Path, arch: str, dtype: str, seed: int, taesd: bool, lora: bool = False
+) -> list[Path]:
     specs = checkpoint_specs(arch)
     meta = {
         "format": "pt",
@@ -407,6 +451,14 @@ def make(out_dir: Path, arch: str, dtype: str, seed: int, taesd: bool) -> list[P
             f"{tsize:,} bytes; {CHECKPOINT} there is a {how}"
         )
         done.append(tfolder)
+    if lora:
+        lpath = out_dir / "loras" / f"{LORA_NAME}.safetensors"
+        lpath.parent.mkdir(parents=True, exist_ok=True)
+        lspecs = lora_specs(arch=arch)
+        lmeta = dict(meta, sdfarm=f"random weights of a rank-{LORA_RANK} LoRA for {arch}")
+        lsize = write_safetensors(lpath, lspecs, dtype, seed, lmeta)
+        print(f"wrote {lpath}: {len(lspecs) // 3} layers, rank {LORA_RANK}, {lsize:,} bytes")
+        done.append(lpath)
     rss = _peak_rss_mib()
     if rss is not None:
         print(f"peak RSS {rss:.0f} MiB")
@@ -420,8 +472,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="f16", choices=sorted(DTYPES))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--taesd", action="store_true", help="also write a TAESD variant folder")
+    p.add_argument("--lora", action="store_true", help=f"also write loras/{LORA_NAME}")
     args = p.parse_args(argv)
-    make(args.out_dir, args.arch, args.dtype, args.seed, args.taesd)
+    make(args.out_dir, args.arch, args.dtype, args.seed, args.taesd, args.lora)
     return 0
 
 
