@@ -12,10 +12,13 @@ import threading
 
 
 def gpu_index(device: str) -> str | None:
-    """nvidia-smi's index of a CUDA device name ("CUDA1" -> "1"), None for others."""
-    if not device.upper().startswith("CUDA") or shutil.which("nvidia-smi") is None:
+    """nvidia-smi's index of a CUDA device name ("CUDA1" -> "1"), None for others. A Vulkan
+    device ("Vulkan0") maps to the same index: right on a host with one NVIDIA GPU (where the
+    benchmarks run it), not promised on a host with several (Vulkan may order them otherwise)."""
+    prefix = next((p for p in ("CUDA", "VULKAN") if device.upper().startswith(p)), None)
+    if prefix is None or shutil.which("nvidia-smi") is None:
         return None
-    n = int(device[4:] or 0)
+    n = int(device[len(prefix) :] or 0)
     visible = [v for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v]
     return visible[n] if n < len(visible) else str(n)
 

@@ -82,6 +82,8 @@ print("@@vae_tiling " + json.dumps(out))
 """
 
 BACKENDS = {"cpu": "cpu", "cuda": "cuda", "vulkan": "vulkan"}
+GPU_DEVICES = ("cuda", "vulkan")
+"""Where the NVML poller reads the peak: NVIDIA's driver reports a Vulkan process's memory too."""
 
 
 def child_env(device: str, runtime_dir: str | None) -> dict[str, str]:
@@ -98,8 +100,8 @@ def child_env(device: str, runtime_dir: str | None) -> dict[str, str]:
 
 
 def poller(device: str) -> Any:
-    """bench/gpu_suite's NVML poller on a CUDA device, else None."""
-    if device != "cuda":
+    """bench/gpu_suite's NVML poller on an NVIDIA GPU (CUDA or Vulkan), else None."""
+    if device not in GPU_DEVICES:
         return None
     sys.path.insert(0, str(HERE))
     try:
@@ -160,13 +162,13 @@ def gib(n: Any) -> str:
 def table(rows: list[dict[str, Any]], device: str) -> list[str]:
     """Rows per size: the untiled and tiled estimates, each mode's peak (GPU on a GPU, RSS on
     the CPU), time, and whether the runtime tiled."""
-    peak_name = "GPU peak" if device == "cuda" else "peak RSS"
+    peak_name = "GPU peak" if device in GPU_DEVICES else "peak RSS"
     lines = [
         f"{'size':>10} {'mode':>5} {'est untiled':>11} {'est tiled':>9} {'used est':>8} "
         f"{peak_name:>9} {'peak/est':>8} {'gen s':>7} {'tiled':>5}  note   (GiB)",
     ]
     for r in rows:
-        peak = r.get("gpu_peak") if device == "cuda" else r.get("peak_rss")
+        peak = r.get("gpu_peak") if device in GPU_DEVICES else r.get("peak_rss")
         est = r.get("estimate")
         ratio = f"{peak / est:.2f}" if peak and est else "-"
         gen = f"{r['generate_s']:.1f}" if "generate_s" in r else "-"

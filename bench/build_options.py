@@ -1,0 +1,110 @@
+"""The runtime's build and run options on one GPU: seconds per image and whether the image is
+the same, each variant in its own fresh process, side by side in one run.
+
+A variant is a label, a runtime build folder (`sdfarm build --json` prints its `directory`;
+e.g. one built with `--cmake-arg=-DSD_FAST_SOFTMAX=ON`) and environment settings for the
+process (e.g. `GGML_CUDA_DISABLE_GRAPHS=1`). Each child loads the model on the device, makes
+one untimed image per size, then `--images` timed ones (same seed), and reports the median
+seconds per image and the SHA-256 of the last image's pixels; the parent compares every
+variant's pixels with the first variant's.
+
+    python bench/build_options.py --model DIR --device CUDA0 --sizes 512,1024 --images 5 \\
+        --variant base=/tmp/cudart --variant graphs-off=/tmp/cudart:GGML_CUDA_DISABLE_GRAPHS=1 \\
+        --variant fast-softmax=/tmp/cudart-fs [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+MARK = "@@build-options "
+
+
+def child(model: str, device: str, sizes: list[int], images: int) -> None:
+    import hashlib
+
+    from sdfarm.native.engine import Engine, LogConfig
+    from sdfarm.native.params import GenerationParams
+
+    engine = Engine.load(Path(model), log=LogConfig(level="warn"), device=device)
+    for size in sizes:
+        params = GenerationParams(prompt="a build options bench", width=size, height=size,
+                                  steps=1, seed=42)  # fmt: skip
+        engine.generate(params)  # untimed: first use of this size
+        times, digest = [], ""
+        for _ in range(images):
+            t = time.perf_counter()
+            result = engine.generate(params)
+            times.append(time.perf_counter() - t)
+            digest = hashlib.sha256(result.image.tobytes()).hexdigest()[:16]
+        print(MARK + json.dumps({"size": size, "s_per_image": statistics.median(times),
+                                 "times": [round(x, 4) for x in times],
+                                 "pixels": digest}), flush=True)  # fmt: skip
+    engine.dispose()
+
+
+def parse_variant(text: str) -> tuple[str, str, dict[str, str]]:
+    """Parse `label=DIR[:KEY=VALUE[,KEY=VALUE]]` into (label, dir, env)."""
+    label, _, rest = text.partition("=")
+    directory, _, settings = rest.partition(":")
+    env = dict(s.split("=", 1) for s in settings.split(",") if s)
+    if not label or not directory:
+        raise argparse.ArgumentTypeError(f"--variant {text!r}: want LABEL=DIR[:KEY=VALUE,...]")
+    return label, directory, env
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--device", default="CUDA0")
+    ap.add_argument("--sizes", default="512,1024")
+    ap.add_argument("--images", type=int, default=5)
+    ap.add_argument("--variant", action="append", type=parse_variant, default=[])
+    ap.add_argument("--deadline", type=float, default=None, help="no new variant after (s)")
+    ap.add_argument("--out")
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    sizes = [int(s) for s in args.sizes.split(",")]
+    if args.child:
+        child(args.model, args.device, sizes, args.images)
+        return 0
+    t0 = time.monotonic()
+    rows: list[dict] = []
+    for label, directory, env in args.variant:
+        if args.deadline is not None and time.monotonic() - t0 > args.deadline:
+            print(f"{label}: skipped (deadline)", flush=True)
+            continue
+        child_env = {**os.environ, "SDFARM_RUNTIME_DIR": directory, **env}
+        cmd = [sys.executable, __file__, "--child", "--model", args.model, "--device",
+               args.device, "--sizes", args.sizes, "--images", str(args.images)]  # fmt: skip
+        done = subprocess.run(cmd, capture_output=True, text=True, env=child_env)
+        found = [json.loads(line[len(MARK) :]) for line in done.stdout.splitlines()
+                 if line.startswith(MARK)]  # fmt: skip
+        if done.returncode != 0 or not found:
+            print(f"{label}: failed (exit {done.returncode}): {done.stderr[-600:]}", flush=True)
+            rows.append({"variant": label, "failed": True})
+            continue
+        for r in found:
+            rows.append({"variant": label, "runtime": Path(directory).name, "env": env, **r})
+            print(f"{label:14} {r['size']:>5}  {r['s_per_image'] * 1000:7.1f} ms/image  "
+                  f"pixels {r['pixels']}", flush=True)  # fmt: skip
+    base = {r["size"]: r["pixels"] for r in rows if r.get("variant") == args.variant[0][0]}
+    for r in rows:
+        if "pixels" in r:
+            r["same_pixels_as_first"] = r["pixels"] == base.get(r["size"])
+    doc = {"what": __doc__.splitlines()[0], "model": Path(args.model).name,
+           "device": args.device, "images": args.images, "rows": rows}  # fmt: skip
+    if args.out:
+        Path(args.out).write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
