@@ -20,9 +20,10 @@
 #   bash bench/gpu_run.sh extras    # video and ControlNet peak vs estimate; the farm with TAESD
 #   bash bench/gpu_run.sh decodefarm # CUDA size limit (#12), VAE decode options and 500-job
 #                                    # GPU efficiency (#15), 5,000-job file-store batch (#14)
-#   bash bench/gpu_run.sh vkbuild   # Vulkan with cooperative-matrix shaders: speed, 4096x4096;
-#                                   # ggml CUDA build options, built side by side
-#   bash bench/gpu_run.sh vkfarm    # the farm on Vulkan; 1024 x 4 steps; LoRA peak vs estimate
+#   bash bench/gpu_run.sh cudaopts  # ggml's CUDA options side by side (a second build with CUDA
+#                                   # graphs); LoRA peak vs estimate; 1024 x 4 steps; TAESD 4 steps
+#   bash bench/gpu_run.sh vulkan    # the carried Vulkan build with cooperative-matrix shaders:
+#                                   # speed, 4096x4096 under a 40 GiB figure, the farm per N
 #
 # Carried: .whl/*.whl (our dependencies and pytest for python3.12), .carry/{redis-server,
 # stable_diffusion_cpp_python-0.4.7.tar.gz}; for the Vulkan stages also .gl/*.deb (Vulkan
@@ -161,7 +162,9 @@ print(json.dumps({'directory': '$CUDART', 'library': '$CUDART/libstable-diffusio
         --cmake-arg=-DCMAKE_CUDA_ARCHITECTURES=90 --json > "$CUDA_JSON.part"; then
         mv "$CUDA_JSON.part" "$CUDA_JSON"
         say "built: $(cat "$CUDA_JSON")"
-        if [ "${PACK_LATER:-0}" = 1 ]; then
+        if [ "${NOPACK:-0}" = 1 ]; then
+            say "not packed (NOPACK=1)"
+        elif [ "${PACK_LATER:-0}" = 1 ]; then
             PACK_NICE="nice -n 19" pack_cuda &
             PACK_PID=$!
         else
@@ -457,88 +460,59 @@ extras() {
     nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader || true
 }
 
-# A second CUDA build with one build option changed (SD_FAST_SOFTMAX: "x1.5 faster softmax,
-# indeterministic" in the runtime's CMakeLists), in its own cache (the build lock is per cache),
-# started in the background beside the first; variant_wait waits for it.
-VARIANT_JSON=/tmp/cuda-build-fs.json
+# A second CUDA build with one build option changed (GGML_CUDA_GRAPHS, off by default: "use
+# CUDA graphs (llama.cpp only)"), in its own cache (the build lock is per cache), started in
+# the background at the lowest priority beside the first; variant_wait waits for it.
+VARIANT_JSON=/tmp/cuda-build-graphs.json
 VARIANT_PID=""
 variant_start() {
     [ -s "$VARIANT_JSON" ] && return
-    mkdir -p /tmp/sdfcache-fs/sdist
-    cp -n "$SDFARM_CACHE"/sdist/*.tar.gz /tmp/sdfcache-fs/sdist/ 2>/dev/null
-    say "building the CUDA variant -DSD_FAST_SOFTMAX=ON in the background"
-    ( SDFARM_CACHE=/tmp/sdfcache-fs nice -n 5 $PY -m sdfarm.native.build --backend cuda \
-        --cmake-arg=-DCMAKE_CUDA_ARCHITECTURES=90 --cmake-arg=-DSD_FAST_SOFTMAX=ON --json \
-        > "$VARIANT_JSON.part" 2> /tmp/cuda-build-fs.err && mv "$VARIANT_JSON.part" "$VARIANT_JSON"
-      say "variant build exited $? ($(tail -1 /tmp/cuda-build-fs.err))" ) &
+    mkdir -p /tmp/sdfcache-graphs/sdist
+    cp -n .carry/stable_diffusion_cpp_python-0.4.7.tar.gz /tmp/sdfcache-graphs/sdist/ 2>/dev/null
+    say "building the CUDA variant -DGGML_CUDA_GRAPHS=ON in the background"
+    ( SDFARM_CACHE=/tmp/sdfcache-graphs nice -n 19 $PY -m sdfarm.native.build --backend cuda \
+        --cmake-arg=-DCMAKE_CUDA_ARCHITECTURES=90 --cmake-arg=-DGGML_CUDA_GRAPHS=ON --json \
+        > "$VARIANT_JSON.part" 2> /tmp/cuda-build-graphs.err && mv "$VARIANT_JSON.part" "$VARIANT_JSON"
+      say "variant build exited $? ($(tail -1 /tmp/cuda-build-graphs.err))" ) &
     VARIANT_PID=$!
 }
 variant_wait() {
     if [ -n "$VARIANT_PID" ]; then wait "$VARIANT_PID"; VARIANT_PID=""; fi
 }
 
-# Issue #15 (the Vulkan table with cooperative-matrix shaders; ggml's CUDA build options) and
-# #12 (a 4096x4096 image on a device whose figure refuses it untiled). The Vulkan build comes
-# carried (.carry/vulkan-runtime.tar.xz, built with Debian 13's glslc: docs/gpu.md); the two
-# CUDA builds compile in the background while Vulkan measures, then the build options are
-# timed side by side and the first CUDA build is packed to carry.
-vkbuild() {
+# ggml's CUDA options side by side (bench/build_options.py): the default build; its run-time
+# switches (cuBLAS compute type forced to f16 or f32, op fusion off); the CUDA-graphs build,
+# alone and with GGML_CUDA_GRAPH_OPT=1 (multi-stream graph optimisation).
+build_options() {
+    if cuda_built && [ -s "$VARIANT_JSON" ]; then
+        CUDA_DIR=$(cuda_field directory)
+        local g; g=$($PY -c "import json; print(json.load(open('$VARIANT_JSON'))['directory'])")
+        stage 150 build-options bench/build_options.py --model "$MODEL" --device CUDA0 \
+            --sizes 512,1024 --images 4 --variant "base=$CUDA_DIR" \
+            --variant "cublas-f16=$CUDA_DIR:GGML_CUDA_FORCE_CUBLAS_COMPUTE_16F=1" \
+            --variant "cublas-f32=$CUDA_DIR:GGML_CUDA_FORCE_CUBLAS_COMPUTE_32F=1" \
+            --variant "no-fusion=$CUDA_DIR:GGML_CUDA_DISABLE_FUSION=1" \
+            --variant "graphs=$g" --variant "graphs+opt=$g:GGML_CUDA_GRAPH_OPT=1" \
+            --out "$OUT/cuda/cuda-build-options.json"
+    else
+        say "a CUDA build is missing: build options not measured"
+        tail -20 /tmp/cuda-build-graphs.err 2>/dev/null
+    fi
+}
+
+# Issues #15 and #12 on CUDA: the default build (and sd-cli) first with every core, the
+# CUDA-graphs variant behind it at the lowest priority; while the variant compiles, a LoRA's
+# GPU peak against its estimate (bench/lora_memory.py, the rank-64 LoRA of the full-size
+# model), the farm at 1024 x 4 steps, and with TAESD at 4 steps; then the options side by side.
+cudaopts() {
     prep
     models_start
     variant_start
-    ( cuda_ensure ) &   # built and packed into $OUT in the background
-    local cpid=$!
+    NOPACK=1 cuda_ensure
     models_wait
-    mkdir -p "$OUT/vulkan" "$OUT/cuda"
-    if [ -e "$VKRT/build.json" ]; then
-        suite 60 warmup --out "$OUT/vulkan" --backend vulkan --runtime-dir "$VKRT" \
-            --model "$MODEL" --sizes 512 --runs 2
-        suite 120 speed --out "$OUT/vulkan" --backend vulkan --runtime-dir "$VKRT" \
-            --model "$MODEL" --sizes 512,1024 --steps 1,4 --runs 3
-        # 4096x4096: untiled 50.8 GiB by our estimate on Vulkan (direct convolution), tiled
-        # 19.3 GiB; a 40 GiB figure (an A100-40GB, an L40S) refuses it untiled, so `auto`
-        # must tile and say so. Then untiled on the whole H200: the peak against 50.8 GiB.
-        for m in "auto 40GiB" "off -"; do
-            set -- $m
-            say "vae_tiling.py 4096x4096 --modes $1 (figure $2) on Vulkan0"
-            timeout 200 $PY bench/vae_tiling.py "$MODEL" --sizes 4096 --modes "$1" \
-                $([ "$2" != - ] && echo --figure "$2") --device vulkan --runtime-dir "$VKRT" \
-                --log-level info --timeout 180 --out "$OUT/vulkan/vae-tiling-4096-$1.json"
-        done
-    else
-        say "no carried Vulkan build: Vulkan stages skipped"
-    fi
-    wait "$cpid"
-    variant_wait
-    build_options
-    nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader || true
-}
-
-# ggml's CUDA options side by side (bench/build_options.py): the first build, the same with
-# CUDA graphs off (GGML_CUDA_DISABLE_GRAPHS=1), and the SD_FAST_SOFTMAX build; once per machine.
-build_options() {
-    if [ -e /tmp/.build-options-done ]; then return; fi
-    if cuda_built && [ -s "$VARIANT_JSON" ]; then
-        CUDA_DIR=$(cuda_field directory)
-        local fs; fs=$($PY -c "import json; print(json.load(open('$VARIANT_JSON'))['directory'])")
-        stage 120 build-options bench/build_options.py --model "$MODEL" --device CUDA0 \
-            --sizes 512,1024 --images 5 --variant "base=$CUDA_DIR" \
-            --variant "graphs-off=$CUDA_DIR:GGML_CUDA_DISABLE_GRAPHS=1" \
-            --variant "fast-softmax=$fs" --out "$OUT/cuda/cuda-build-options.json" &&
-            [ -s "$OUT/cuda/cuda-build-options.json" ] && touch /tmp/.build-options-done
-    else
-        say "a CUDA build is missing: build options not measured"
-        tail -20 /tmp/cuda-build-fs.err 2>/dev/null
-    fi
-}
-
-# The farm on the Vulkan build (images/s per N engines, as `lanes` measured CUDA), the CUDA
-# farm at 1024 x 4 steps and with TAESD at 4 steps, and a LoRA's GPU peak against its estimate
-# (bench/lora_memory.py, the rank-64 LoRA of the full-size model).
-vkfarm() {
-    ensure
-    mkdir -p "$OUT/cuda" "$OUT/vulkan"
-    build_options   # if vkbuild ran out of time for it on this (warm) machine
+    if ! cuda_built || ! models_ready; then say "no CUDA runtime or models"; exit 3; fi
+    CUDA_DIR=$(cuda_field directory)
+    mkdir -p "$OUT/cuda"
     stage 70 lora bench/lora_memory.py --model "$MODEL" --lora sd-turbo-lora --device CUDA0 \
         --sizes 512,1024 --out "$OUT/cuda/cuda-lora-memory.json"
     stage 60 engines-1024-4steps bench/farm_engines.py --device CUDA0 --model "$MODEL" \
@@ -546,27 +520,59 @@ vkfarm() {
         --out "$OUT/cuda/cuda-farm-engines-1024-4steps.json"
     for c in "512 30" "1024 12"; do
         set -- $c
-        stage 45 "taesd-$1-4steps" bench/farm_engines.py --device CUDA0 --model "$TAESD" \
+        stage 40 "taesd-$1-4steps" bench/farm_engines.py --device CUDA0 --model "$TAESD" \
             --engines 2 --jobs "$2" --size "$1" --steps 4 --timeout 120 \
             --out "$OUT/cuda/cuda-farm-engines-taesd-$1-4steps.json"
     done
-    if [ -e "$VKRT/build.json" ]; then
-        for c in "512 1 40 1,2" "1024 1 16 1,2" "512 4 30 2" "1024 4 12 2"; do
-            set -- $c
-            STAGE_BACKEND=vulkan STAGE_RUNTIME="$VKRT" stage 55 "vulkan-$1-$2" \
-                bench/farm_engines.py --device Vulkan0 --model "$MODEL" --engines "$4" \
-                --jobs "$3" --size "$1" --steps "$2" --timeout 120 \
-                --out "$OUT/vulkan/vulkan-farm-engines-$1-$2steps.json"
-        done
-    fi
+    variant_wait
+    build_options
+    nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader || true
+}
+
+vulkan_farm() {
+    for c in "512 1 40 1,2" "1024 1 16 1,2" "512 4 30 2" "1024 4 12 2"; do
+        set -- $c
+        STAGE_BACKEND=vulkan STAGE_RUNTIME="$VKRT" stage 50 "vulkan-$1-$2" \
+            bench/farm_engines.py --device Vulkan0 --model "$MODEL" --engines "$4" \
+            --jobs "$3" --size "$1" --steps "$2" --timeout 120 \
+            --out "$OUT/vulkan/vulkan-farm-engines-$1-$2steps.json"
+    done
+}
+
+# Issue #15 item 5 and #12's 4096x4096, on the carried Vulkan build (cooperative-matrix
+# shaders; .carry/vulkan-runtime.tar.xz, built with Debian 13's glslc: docs/gpu.md); no CUDA.
+# 4096x4096: untiled 50.8 GiB by our estimate on Vulkan (direct convolution), tiled 19.3 GiB;
+# a 40 GiB figure (an A100-40GB, an L40S) refuses it untiled, so `auto` must tile and say so;
+# then untiled on the whole H200, its peak against 50.8 GiB.
+vulkan() {
+    prep
+    models_start
+    models_wait
+    if [ ! -e "$VKRT/build.json" ] || ! models_ready; then say "no Vulkan build or models"; exit 3; fi
+    mkdir -p "$OUT/vulkan"
+    suite 50 warmup --out "$OUT/vulkan" --backend vulkan --runtime-dir "$VKRT" \
+        --model "$MODEL" --sizes 512 --runs 2
+    suite 100 speed --out "$OUT/vulkan" --backend vulkan --runtime-dir "$VKRT" \
+        --model "$MODEL" --sizes 512,1024 --steps 1,4 --runs 3
+    for m in "auto 40GiB" "off -"; do
+        set -- $m
+        [ "$1" = off ] && vulkan_farm
+        local left=$(( PHASE_BUDGET - $(now) - 10 ))
+        if [ "$left" -lt 40 ]; then say "SKIPPED: 4096x4096 --modes $1"; continue; fi
+        say "vae_tiling.py 4096x4096 --modes $1 (figure $2) on Vulkan0"
+        timeout "$left" $PY bench/vae_tiling.py "$MODEL" --sizes 4096 --modes "$1" \
+            $([ "$2" != - ] && echo --figure "$2") --device vulkan --runtime-dir "$VKRT" \
+            --log-level info --timeout $(( left > 200 ? 190 : left - 10 )) \
+            --out "$OUT/vulkan/vae-tiling-4096-$1.json"
+    done
     nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader || true
 }
 
 case "$PHASE" in
     setup | bench1 | bench2) ;;
     cuda_recheck | cudafarm | overhead | speedbatch | gputests | cpu1024 | twogpu) ;;
-    features | tiling | peer | tilingpeer | decodefarm | lanes | extras | vkbuild | vkfarm) ;;
-    *) echo "usage: bash bench/gpu_run.sh setup|bench1|bench2|cuda_recheck|cudafarm|overhead|speedbatch|gputests|cpu1024|twogpu|features|tiling|peer|tilingpeer|decodefarm|lanes|extras|vkbuild|vkfarm" >&2; exit 2 ;;
+    features | tiling | peer | tilingpeer | decodefarm | lanes | extras | cudaopts | vulkan) ;;
+    *) echo "usage: bash bench/gpu_run.sh setup|bench1|bench2|cuda_recheck|cudafarm|overhead|speedbatch|gputests|cpu1024|twogpu|features|tiling|peer|tilingpeer|decodefarm|lanes|extras|cudaopts|vulkan" >&2; exit 2 ;;
 esac
 set -o pipefail
 mkdir -p "$OUT"
