@@ -539,6 +539,27 @@ vulkan_farm() {
     done
 }
 
+# The rest of cudaopts on a machine that still holds both builds: the farm stages, then the
+# options again in another order (the first variant of a run was the slowest).
+cudamore() {
+    ensure
+    mkdir -p "$OUT/cuda"
+    stage 60 engines-1024-4steps bench/farm_engines.py --device CUDA0 --model "$MODEL" \
+        --engines 1,2 --jobs 12 --size 1024 --steps 4 --timeout 120 \
+        --out "$OUT/cuda/cuda-farm-engines-1024-4steps.json"
+    for c in "512 30" "1024 12"; do
+        set -- $c
+        stage 50 "taesd-$1-4steps" bench/farm_engines.py --device CUDA0 --model "$TAESD" \
+            --engines 2 --jobs "$2" --size "$1" --steps 4 --timeout 120 \
+            --out "$OUT/cuda/cuda-farm-engines-taesd-$1-4steps.json"
+    done
+    local g; g=$($PY -c "import json; print(json.load(open('$VARIANT_JSON'))['directory'])")
+    stage 150 build-options-2 bench/build_options.py --model "$MODEL" --device CUDA0 \
+        --sizes 512,1024 --images 6 --variant "graphs=$g" --variant "cublas-f16=$CUDA_DIR:GGML_CUDA_FORCE_CUBLAS_COMPUTE_16F=1" \
+        --variant "base=$CUDA_DIR" --variant "graphs-again=$g" --variant "base-again=$CUDA_DIR" \
+        --out "$OUT/cuda/cuda-build-options-2.json"
+}
+
 # Issue #15 item 5 and #12's 4096x4096, on the carried Vulkan build (cooperative-matrix
 # shaders; .carry/vulkan-runtime.tar.xz, built with Debian 13's glslc: docs/gpu.md); no CUDA.
 # 4096x4096: untiled 50.8 GiB by our estimate on Vulkan (direct convolution), tiled 19.3 GiB;
@@ -571,7 +592,7 @@ vulkan() {
 case "$PHASE" in
     setup | bench1 | bench2) ;;
     cuda_recheck | cudafarm | overhead | speedbatch | gputests | cpu1024 | twogpu) ;;
-    features | tiling | peer | tilingpeer | decodefarm | lanes | extras | cudaopts | vulkan) ;;
+    features | tiling | peer | tilingpeer | decodefarm | lanes | extras | cudaopts | cudamore | vulkan) ;;
     *) echo "usage: bash bench/gpu_run.sh setup|bench1|bench2|cuda_recheck|cudafarm|overhead|speedbatch|gputests|cpu1024|twogpu|features|tiling|peer|tilingpeer|decodefarm|lanes|extras|cudaopts|vulkan" >&2; exit 2 ;;
 esac
 set -o pipefail
