@@ -247,28 +247,32 @@ def vae_decoder_specs(
     return dict(sorted(out.items()))
 
 
-def _write_vae(path: Path) -> None:
-    """The tiny VAE decoder, drawn like the model's weights (norm gains 1, biases 0)."""
+def _write_vae(path: Path, ch: int = VAE_CH) -> None:
+    """The VAE decoder of base width `ch`, drawn like the model's weights (norm gains 1,
+    biases 0)."""
     from safetensors.numpy import save_file
 
-    specs = vae_decoder_specs()
+    specs = vae_decoder_specs(ch=ch)
     tensors = {n: (w.astype(np.float16) if w.ndim >= 2 else w) for n, w in _weights("vae", specs)}
     metadata = {"sdfarm": f"tiny random-weight test VAE, seed {SEED}"}
     _write_atomically(path, lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
 
 
-def make_vae_test_model(out_dir: str | os.PathLike[str]) -> Path:
+def make_vae_test_model(
+    out_dir: str | os.PathLike[str], vae_ch: int = VAE_CH, name: str = VAE_VARIANT
+) -> Path:
     """Write `out_dir/tiny-vae/`: tiny-f16's diffusion model, text encoder and TAESD plus the
     tiny VAE (`vae_decoder_specs`), and a model.json naming all four; returns the folder. The
-    same bytes every run."""
-    folder = Path(out_dir) / VAE_VARIANT
+    same bytes every run. `vae_ch` 128 writes the real VAE decoder's width (49 M parameters,
+    98 MB), for measuring decode times (bench/decoder_quality.py)."""
+    folder = Path(out_dir) / name
     folder.mkdir(parents=True, exist_ok=True)
     specs = tensor_specs()
     files = {}
     for part, (stem, role) in PARTS.items():
         _write_safetensors(folder / f"{stem}.safetensors", part, specs[part])
         files[role] = f"{stem}.safetensors"
-    _write_vae(folder / "vae.safetensors")
+    _write_vae(folder / "vae.safetensors", vae_ch)
     files["vae"] = "vae.safetensors"
     manifest = {"files": files, "native_size": list(NATIVE_SIZE)}
     text = json.dumps(manifest, indent=2) + "\n"

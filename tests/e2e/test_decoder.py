@@ -7,6 +7,7 @@ engine, the in-process CLI and the farm's client), and every door takes the fiel
 
 from __future__ import annotations
 
+import base64
 import io
 import json
 import os
@@ -25,6 +26,7 @@ from PIL import Image
 from sdfarm.client.farm import Farm
 from sdfarm.native.engine import Engine
 from sdfarm.native.errors import InvalidParameterError
+from sdfarm.native.model import Model
 from sdfarm.native.png import read_params
 from sdfarm.native.testmodel import VAE_VARIANT, make_vae_test_model
 
@@ -202,3 +204,17 @@ def test_the_cli_batch_and_gateway_take_the_decoder(farm: Any, client: Farm, tmp
         assert client.job(created.json()["id"]).result(300).metadata["decoder"] == "taesd"
         bad = httpx.post(f"{base}/v1/jobs", json={**body, "model": BARE}, timeout=30)
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "decoder", bad.text
+        # The OpenAI door takes it too, as an extra field beside OpenAI's own.
+        openai = {"model": VAE_VARIANT, "prompt": "a red barn", "size": "64x64", "steps": 1,
+                  "seed": 31, "decoder": "taesd", "response_format": "b64_json"}  # fmt: skip
+        r = httpx.post(f"{base}/v1/images/generations", json=openai, timeout=300)
+        assert r.status_code == 200, r.text
+        made = base64.b64decode(r.json()["data"][0]["b64_json"])
+        assert read_params(made)["decoder"] == "taesd"
+
+
+def test_make_test_model_writes_the_vae_variant(tmp_path: Path) -> None:
+    done = sdfarm("make-test-model", str(tmp_path), "--vae", "--json")
+    assert done.returncode == 0, done.stderr
+    (folder,) = [Path(d) for d in json.loads(done.stdout)["models"] if d.endswith(VAE_VARIANT)]
+    assert Model.from_dir(folder).decoders == ("vae", "taesd")
