@@ -363,6 +363,9 @@ class Engine:
         # The decoder is fixed here (sdfarm.native.decoders): with tae_preview_only the VAE
         # decodes and the TAESD draws only previews; without it the TAESD decodes.
         p.tae_preview_only = self._tae_preview_only
+        # Read back from the struct the context is made with: the decoder it fixes.
+        taesd_given = p.taesd_path != ffi.NULL and bool(ffi.string(p.taesd_path))
+        self._ctx_decoder = "taesd" if taesd_given and not p.tae_preview_only else "vae"
         p.vae_decode_only = not self.model.can_encode_with(self.decoder)
         p.free_params_immediately = False
         p.n_threads = self._threads
@@ -550,6 +553,7 @@ class Engine:
             "control_strength": g.control_strength if g.control_image.data != ffi.NULL else None,
             "control_net": self.control_net.name if self.control_net is not None else "",
             "embeddings": ",".join(sorted(self.embeddings)),
+            "decoder": self._ctx_decoder,  # the context's (sdfarm.native.decoders)
             "ref_images": [_shape(g.ref_images[i], ffi) for i in range(g.ref_images_count)],
             "loras": [
                 [Path(ffi.string(g.loras[i].path).decode()).stem, g.loras[i].multiplier]

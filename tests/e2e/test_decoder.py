@@ -14,6 +14,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,7 @@ from sdfarm.native.errors import InvalidParameterError
 from sdfarm.native.model import Model
 from sdfarm.native.png import read_params
 from sdfarm.native.testmodel import VAE_VARIANT, make_vae_test_model
+from sdfarm.store import keys
 
 from helpers.gateway import served_gateway
 
@@ -79,6 +81,7 @@ def engine_images(models: Path) -> dict[str, np.ndarray]:
             result = engine.generate(prompt="a red barn", decoder=decoder, **SMALL)
             again = engine.generate(prompt="a red barn", decoder=decoder, **SMALL)
             assert result.metadata["decoder"] == result.params.decoder == decoder
+            assert engine.last_call["decoder"] == decoder  # read back from the context's struct
             assert (pixels(result.image) == pixels(again.image)).all()
             out[decoder] = pixels(result.image)
             if decoder == "vae":  # the default engine of a model with a VAE is this one
@@ -166,8 +169,16 @@ def test_the_farm_runs_a_taesd_job_on_its_own_engine(client: Farm, engine_images
     assert (pixels(fast.png) == engine_images["taesd"]).all()
     assert read_params(fast.png)["decoder"] == "taesd"
     assert read_params(plain.png)["decoder"] == "vae"
-    loaded = {m["name"] for d in client.status()["devices"] for m in d.get("loaded") or []}
-    assert {VAE_VARIANT, f"{VAE_VARIANT}+decoder:taesd"} <= loaded
+    # Both engines are listed by the heartbeat, which lags a load by up to an interval.
+    want = {VAE_VARIANT, f"{VAE_VARIANT}+decoder:taesd"}
+    settle = time.monotonic() + 3 * keys.HEARTBEAT_INTERVAL
+    while not want <= (loaded := _loaded(client)):
+        assert time.monotonic() < settle, f"the heartbeat lists {loaded}, not {want}"
+        time.sleep(0.2)
+
+
+def _loaded(client: Farm) -> set[str]:
+    return {m["name"] for d in client.status()["devices"] for m in d.get("loaded") or []}
 
 
 def test_the_farm_refuses_a_decoder_the_model_lacks_at_submit(client: Farm) -> None:
