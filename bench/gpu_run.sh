@@ -521,7 +521,7 @@ cudaopts() {
     for c in "512 30" "1024 12"; do
         set -- $c
         stage 40 "taesd-$1-4steps" bench/farm_engines.py --device CUDA0 --model "$TAESD" \
-            --engines 2 --jobs "$2" --size "$1" --steps 4 --timeout 120 \
+            --decoder taesd --engines 2 --jobs "$2" --size "$1" --steps 4 --timeout 120 \
             --out "$OUT/cuda/cuda-farm-engines-taesd-$1-4steps.json"
     done
     variant_wait
