@@ -115,7 +115,8 @@ def one_n(
     from sdfarm.localfarm.farm import LocalFarm
     from sdfarm.store import keys
 
-    common = {"width": args.size, "height": args.size, "steps": args.steps, "cfg_scale": 1.0}
+    common = {"width": args.size, "height": args.size, "steps": args.steps, "cfg_scale": 1.0,
+              "decoder": args.decoder}  # fmt: skip
     baseline = gpu_used_mib(gpu) if gpu is not None else None
     local = LocalFarm(
         [models_dir], devices=[args.device], threads=args.threads, announce=False,
@@ -172,6 +173,7 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=1)
     p.add_argument("--model", default=None, help="a model folder (default: the tiny model)")
     p.add_argument("--threads", type=int, default=None, help="CPU threads per engine")
+    p.add_argument("--decoder", default="default", help="the jobs' decoder: default, vae, taesd")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds a job may take")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     p.add_argument(

@@ -11,7 +11,9 @@ a file of about 2.607 GB that stable-diffusion.cpp loads as "Version: SD 2.x".
 writes OUT_DIR/sd-turbo-random/{model.safetensors,model.json}; with --taesd also
 OUT_DIR/sd-turbo-random-taesd/ holding the same checkpoint (hard link when possible),
 a TAESD decoder for 4-channel latents (taesd.safetensors, decoder.layers.* as sd.cpp's tae.hpp
-expects) and a manifest naming both.
+expects) and a manifest naming both. Through sdfarm that folder decodes with the checkpoint's
+VAE unless a job asks for `decoder` taesd (sdfarm.native.decoders); sd-cli's `--taesd`
+decodes with the TAESD.
 
 Weights ~ N(0, 1/fan_in) (fan_in = product of all but the first dimension), norm gains 1,
 biases 0, drawn per tensor from numpy's PCG64 seeded with (seed, crc32(name)): the same bytes

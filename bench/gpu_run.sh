@@ -451,10 +451,10 @@ extras() {
     stage 110 controlnet bench/controlnet_memory.py --device "$dev" --sizes "$cs" \
         --out "$OUT/cuda/cuda-controlnet-memory.json"
     [ "$dev" = cpu ] && dev=CPU
-    stage 60 taesd-512 bench/farm_engines.py --device "$dev" --model "$TAESD" \
+    stage 60 taesd-512 bench/farm_engines.py --device "$dev" --model "$TAESD" --decoder taesd \
         --engines 1,2 --jobs "$n1" --size "$sz" --steps 1 --timeout 120 \
         --out "$OUT/cuda/cuda-farm-engines-taesd-512.json"
-    stage 45 taesd-1024 bench/farm_engines.py --device "$dev" --model "$TAESD" \
+    stage 45 taesd-1024 bench/farm_engines.py --device "$dev" --model "$TAESD" --decoder taesd \
         --engines 2 --jobs "$n2" --size "$big" --steps 1 --timeout 120 \
         --out "$OUT/cuda/cuda-farm-engines-taesd-1024.json"
     nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader || true
@@ -521,7 +521,7 @@ cudaopts() {
     for c in "512 30" "1024 12"; do
         set -- $c
         stage 40 "taesd-$1-4steps" bench/farm_engines.py --device CUDA0 --model "$TAESD" \
-            --engines 2 --jobs "$2" --size "$1" --steps 4 --timeout 120 \
+            --decoder taesd --engines 2 --jobs "$2" --size "$1" --steps 4 --timeout 120 \
             --out "$OUT/cuda/cuda-farm-engines-taesd-$1-4steps.json"
     done
     variant_wait

@@ -91,18 +91,29 @@ def refusal(figures: dict[str, Any]) -> dict[str, Any]:
     return {"apparent_bytes": apparent, "exit": rc, "message": (err or out)[-1500:]}
 
 
-def farm_run(models: list[Path], devs: list[str], jobs: int) -> dict[str, Any]:
+def farm_run(models: list[Path], devs: list[str], jobs: int, decoders: list[str]) -> dict[str, Any]:
     from sdfarm.client.farm import Farm
     from sdfarm.localfarm.farm import LocalFarm
 
     common = {"width": 512, "height": 512, "steps": 1}
     names = [m.name for m in models]
     with LocalFarm([models[0].parent], devs, announce=False) as local, Farm(local.url) as farm:
-        warm = [farm.submit(n, "warm", seed=1, **common) for n in names for _ in devs]
+        warm = [
+            farm.submit(n, "warm", seed=1, decoder=d, **common)
+            for n, d in zip(names, decoders, strict=True)
+            for _ in devs
+        ]
         warm_results = [j.result(timeout=300) for j in warm]
         t0 = time.perf_counter()
         batch = [
-            farm.submit(names[i % len(names)], f"job {i}", seed=i, **common) for i in range(jobs)
+            farm.submit(
+                names[i % len(names)],
+                f"job {i}",
+                seed=i,
+                decoder=decoders[i % len(names)],
+                **common,
+            )
+            for i in range(jobs)
         ]
         results = [j.result(timeout=600) for j in batch]
         makespan = time.perf_counter() - t0
@@ -151,10 +162,11 @@ def main() -> int:
     doc["refusal"] = refusal(d)
     save()
     print("refusal:", doc["refusal"])
-    one = farm_run([model, taesd], ["CUDA0"], args.jobs)
+    # The TAESD model decodes with its TAESD: a job's decoder (sdfarm.native.decoders).
+    one = farm_run([model, taesd], ["CUDA0"], args.jobs, ["default", "taesd"])
     doc["farm_one_gpu"] = one
     save()
-    two = farm_run([model, taesd], ["CUDA0", "CUDA1"], args.jobs)
+    two = farm_run([model, taesd], ["CUDA0", "CUDA1"], args.jobs, ["default", "taesd"])
     doc["farm_two_gpus"] = two
     doc["throughput_ratio"] = two["images_per_s"] / one["images_per_s"]
     save()

@@ -63,6 +63,7 @@ def generate_in_process(args: argparse.Namespace) -> dict[str, Any]:
         threads=args.threads,
         control_net=control_net,
         embeddings=embedding_files,
+        decoder=params.decoder,
     )
     load_s = time.monotonic() - t0
     records = engine.drain_load_records()

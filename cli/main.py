@@ -141,6 +141,10 @@ def cmd_make_test_model(args: argparse.Namespace) -> int:
         from sdfarm.native.wantestmodel import VARIANTS, make_wan_test_model
 
         dirs += [make_wan_test_model(Path(args.dir), name) for name in VARIANTS]
+    if args.vae:
+        from sdfarm.native.testmodel import make_vae_test_model
+
+        dirs.append(make_vae_test_model(Path(args.dir)))
     if args.sd1:
         from sdfarm.native.sd1model import make_sd1_test_model
 
@@ -234,6 +238,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="also the random-weight Wan2.1 video models wan-t2v-test and wan-vace-test "
         "(about 1.9 GB)",
+    )
+    m.add_argument(
+        "--vae",
+        action="store_true",
+        help="also tiny-vae: the tiny model with a full VAE beside its TAESD, so a job can "
+        "choose its decoder (--decoder taesd)",
     )
     m.add_argument(
         "--sd1",

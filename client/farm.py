@@ -30,6 +30,7 @@ from sdfarm.client.errors import (
 )
 from sdfarm.client.job import DEADLINE_GRACE_S, WAIT_SLICE_S, Job, Result
 from sdfarm.native import enginekey, upscale_params, video_params
+from sdfarm.native.decoders import resolve as resolve_decoder
 from sdfarm.native.errors import InvalidParameterError
 from sdfarm.native.estimate import ModelFacts, UpscalerFacts
 from sdfarm.native.params import (
@@ -212,6 +213,7 @@ class Farm:
             self._check_assets(spec.params)
             spec = replace(spec, model=enginekey.engine_key(base_model, spec.params))
             self._check_model(base_model)
+            self._check_decoder(base_model, str(spec.params.get("decoder") or "default"))
         else:
             self._check_model(spec.model)
         self._check_loras([str(pair[0]) for pair in spec.params.get("loras") or []])
@@ -243,6 +245,14 @@ class Farm:
         so, or the job waits for a worker)."""
         facts = model_facts(self._heartbeats(), model)
         return facts if isinstance(facts, ModelFacts) else None
+
+    def _check_decoder(self, model: str, decoder: str) -> None:
+        """InvalidParameterError naming `decoder` when the live workers' copies of `model`
+        lack the decoder a job asks for (taesd without a TAESD file, vae without a full VAE;
+        sdfarm.native.decoders), before anything is queued."""
+        facts = self._model_facts(model)
+        if facts is not None and facts.decoders:
+            resolve_decoder(decoder, facts.decoders, model)
 
     def _check_assets(self, params: Mapping[str, Any]) -> None:
         """InvalidParameterError naming `control_net` or `embeddings` when no live worker has

@@ -44,6 +44,7 @@ typedef struct {
     bool keep_clip_on_cpu;
     bool keep_control_net_on_cpu;
     bool keep_vae_on_cpu;
+    bool tae_preview_only;
     bool flash_attn;
     bool diffusion_flash_attn;
     bool diffusion_conv_direct;

@@ -13,7 +13,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +27,8 @@ from sdfarm.native.controlnets import (
     unet_refusal,
 )
 from sdfarm.native.cudalimits import cuda_size_error
+from sdfarm.native.decoders import ctx_settings
+from sdfarm.native.decoders import resolve as resolve_decoder
 from sdfarm.native.devices import (
     Device,
     HostFigures,
@@ -119,13 +121,15 @@ class LogConfig:
 
 @dataclass(frozen=True)
 class ModelWith:
-    """A model with what its engine's context is made with beside its files: a ControlNet
-    and textual-inversion embeddings (sdfarm.native.enginekey names such an engine). A worker
-    hands this to `Engine.load` as the model."""
+    """A model with what its engine's context is made with beside its files: a ControlNet,
+    textual-inversion embeddings and the decoder a job asked for ("": the model's own;
+    sdfarm.native.enginekey names such an engine). A worker hands this to `Engine.load` as
+    the model."""
 
     model: Model
     control_net: ControlNetFile | None = None
     embeddings: tuple[EmbeddingFile, ...] = ()
+    decoder: str = ""
 
 
 def extras_bytes(
@@ -212,10 +216,13 @@ class Engine:
         backend: str | None = None,
         control_net: ControlNetFile | None = None,
         embeddings: Iterable[EmbeddingFile] = (),
+        decoder: str = "default",
     ) -> Engine:
         """Check memory, plan the fit, load. `control_net` and `embeddings` (checked files,
         sdfarm.native.controlnets and .embeddings) are made part of the context (a
-        `ModelWith` as the model carries them too); the estimate counts them. `figures`
+        `ModelWith` as the model carries them too); the estimate counts them. `decoder` is
+        what the engine decodes with (sdfarm.native.decoders: default, vae, taesd; a model
+        that lacks it is refused before any native call), fixed for its life. `figures`
         injects the host's figures (or a probe returning them); by default they are read in a
         short-lived subprocess. `pinned` names the device sdfarm pinned this process to (the
         check then runs on its figures).
@@ -225,6 +232,7 @@ class Engine:
         if isinstance(model, ModelWith):
             control_net = control_net or model.control_net
             embeddings = tuple(embeddings) or model.embeddings
+            decoder = model.decoder or decoder
             model = model.model
         self._log = log or LogConfig()
         logs.level_number(self._log.level)
@@ -233,6 +241,7 @@ class Engine:
         self.control_net: ControlNetFile | None = control_net
         self.embeddings: dict[str, EmbeddingFile] = {e.name: e for e in embeddings}
         check_extras(self.model, control_net, tuple(self.embeddings.values()))
+        self.decoder = resolve_decoder(decoder, self.model.decoders, self.model.name)
         self._ctx = None
         self._poisoned: str | None = None
         self._pending: list[logs.LogRecord] = []
@@ -243,7 +252,7 @@ class Engine:
 
         figs, planned = host_device(figures, backend, device, pinned)
         w, h = self.model.native_size
-        facts = model_facts(self.model, planned)
+        facts = model_facts(self.model, planned, self.decoder)
         extra = extras_bytes(control_net, tuple(self.embeddings.values()))
         self.facts: ModelFacts = facts.with_extras(extra, CONTROL_HEADS if control_net else 0)
         estimate = self.facts.resident()
@@ -266,7 +275,11 @@ class Engine:
         self._previews = PreviewSlot(self._ffi, self._lib)
         # The kind of preview a job's preview_every gets (sdfarm.native.preview); a caller
         # may change it between generations (bench/preview_cost.py compares them).
-        self.preview_mode = mode_for(set(self.model.files))
+        encodes = self.model.can_encode_with(self.decoder)
+        self._taesd, self._tae_preview_only = ctx_settings(
+            self.model.decoders, self.decoder, self.model.can_encode_with("taesd"), encodes
+        )
+        self.preview_mode = mode_for({"taesd"} if self._taesd else set())
         self._threads = threads or max(1, (os.cpu_count() or 2))
         self._path_roles = self.model.path_roles()
         if control_net is not None:
@@ -327,6 +340,8 @@ class Engine:
         lib.sd_ctx_params_init(p)
         keep = []
         for role, mf in self.model.files.items():
+            if role == "taesd" and not self._taesd:
+                continue
             s = ffi.new("char[]", str(mf.path).encode())
             keep.append(s)
             setattr(p, ROLE_PARAMS[role], s)
@@ -345,11 +360,17 @@ class Engine:
                 keep += [name, path]
                 arr[i] = {"name": name, "path": path}
             p.embeddings, p.embedding_count = arr, len(self.embeddings)
-        p.vae_decode_only = not self.model.can_encode
+        # The decoder is fixed here (sdfarm.native.decoders): with tae_preview_only the VAE
+        # decodes and the TAESD draws only previews; without it the TAESD decodes.
+        p.tae_preview_only = self._tae_preview_only
+        # Read back from the struct the context is made with: the decoder it fixes.
+        taesd_given = p.taesd_path != ffi.NULL and bool(ffi.string(p.taesd_path))
+        self._ctx_decoder = "taesd" if taesd_given and not p.tae_preview_only else "vae"
+        p.vae_decode_only = not self.model.can_encode_with(self.decoder)
         p.free_params_immediately = False
         p.n_threads = self._threads
         p.diffusion_flash_attn = True
-        p.vae_conv_direct = use_vae_conv_direct(self.model.files, self.capabilities_device)
+        p.vae_conv_direct = use_vae_conv_direct(self.decoder, self.capabilities_device)
         p.keep_clip_on_cpu = self.fit.keep_clip_on_cpu
         p.keep_vae_on_cpu = self.fit.keep_vae_on_cpu
         p.offload_params_to_cpu = self.fit.offload_params_to_cpu
@@ -532,6 +553,7 @@ class Engine:
             "control_strength": g.control_strength if g.control_image.data != ffi.NULL else None,
             "control_net": self.control_net.name if self.control_net is not None else "",
             "embeddings": ",".join(sorted(self.embeddings)),
+            "decoder": self._ctx_decoder,  # the context's (sdfarm.native.decoders)
             "ref_images": [_shape(g.ref_images[i], ffi) for i in range(g.ref_images_count)],
             "loras": [
                 [Path(ffi.string(g.loras[i].path).decode()).stem, g.loras[i].multiplier]
@@ -619,12 +641,13 @@ class Engine:
         self._check_usable()
         params = validate(params)
         refuse_video_model(self.model)
+        self._check_decoder(params)
         hires_bytes = self._hires_upscaler(params, upscalers or {})
-        if params.init_image is not None and not self.model.can_encode:
+        if params.init_image is not None and not self.model.can_encode_with(self.decoder):
             raise InvalidParameterError(
                 "init_image",
-                f"model {self.model.name!r} cannot encode an image (img2img, inpainting): its "
-                "VAE or TAESD has no encoder, only a decoder",
+                f"model {self.model.name!r} cannot encode an image (img2img, inpainting) with "
+                f"its {self.decoder}: it has no encoder, only a decoder",
             )
         for w, h in {(params.width, params.height), params.final_size}:
             if why := cuda_size_error(self.architecture, self.capabilities_device, w, h):
@@ -690,6 +713,8 @@ class Engine:
             warnings.append(tiling.warning)
         if self._verdict.action == "warn":
             warnings.insert(0, self._verdict.message)
+        # The result and the PNG say which decoder made the image, not "default".
+        params = replace(params, decoder=self.decoder)
         metadata = {
             **params.as_dict(),
             "model": self.model.name,
@@ -723,6 +748,20 @@ class Engine:
             raise TypeError("pass VideoParams or keyword arguments, not both")
         return generate_video(self, params, progress=progress, log=log, estimate=estimate)
 
+    def _check_decoder(self, params: GenerationParams) -> None:
+        """A job's decoder must be this engine's (its context has one; sdfarm.native.decoders);
+        InvalidParameterError naming `decoder` otherwise."""
+        want = resolve_decoder(params.decoder, self.model.decoders, self.model.name)
+        if want != self.decoder:
+            raise InvalidParameterError(
+                "decoder",
+                f"the job decodes with {want}"
+                + (f" (decoder {params.decoder})" if params.decoder != want else "")
+                + f", this engine of "
+                f"{self.model.name!r} was loaded with {self.decoder} (the decoder is part of "
+                "the engine: load one with it)",
+            )
+
     def _check_engine_extras(self, params: GenerationParams) -> None:
         """A job's ControlNet must be this engine's (its context holds one ControlNet, or
         none) and its embeddings among this engine's; InvalidParameterError naming the field
@@ -750,7 +789,7 @@ class Engine:
         self._hires_path = None
         if not params.hires_upscaler:
             return 0
-        if not self.model.can_encode:
+        if not self.model.can_encode_with(self.decoder):
             raise InvalidParameterError(
                 "hires_upscaler",
                 f"model {self.model.name!r} cannot encode the upscaled image: its VAE or TAESD "

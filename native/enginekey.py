@@ -1,13 +1,15 @@
 """Engine keys: the name an engine is cached, listed, placed and loaded under.
 
 A model's engine holds what its context was made with (sd_ctx_params_t of master-596): the
-model's files and, when a job asks for them, a ControlNet (`control_net_path`) and
-textual-inversion embeddings (`embeddings`). Those cannot change on a loaded engine, so an
-engine of a model with a ControlNet or embeddings is another engine, and its key says so:
+model's files and, when a job asks for them, a ControlNet (`control_net_path`),
+textual-inversion embeddings (`embeddings`) and the TAESD as the decoder (`taesd_path`
+without `tae_preview_only`, sdfarm.native.decoders). Those cannot change on a loaded engine,
+so such an engine is another engine, and its key says so:
 
-    sd15                                   the model alone
+    sd15                                   the model alone (its own decoder)
     sd15+control:canny                     with ControlNet `canny`
     sd15+control:canny+embeddings:a,b      and the embeddings a and b (sorted)
+    sd15+decoder:taesd                     decoding with the model's TAESD
 
 Names are letters, digits, '.', '_' and '-' (sdfarm.native.catalog.NAME), so '+', ':' and ','
 never occur inside one and a key splits back unambiguously. A job of such an engine carries the
@@ -24,19 +26,24 @@ from dataclasses import dataclass
 from typing import Any
 
 from sdfarm.native.catalog import NAME
+from sdfarm.native.decoders import engine_decoder
 from sdfarm.native.errors import InvalidParameterError
 
 CONTROL = "+control:"
 EMBEDDINGS = "+embeddings:"
+DECODER = "+decoder:"
+MARKS = (CONTROL, EMBEDDINGS, DECODER)
 
 
 @dataclass(frozen=True)
 class EngineKey:
-    """A key's parts: the model's name, the ControlNet's ("" for none), the embeddings'."""
+    """A key's parts: the model's name, the ControlNet's ("" for none), the embeddings',
+    the decoder ("" for the model's own, "taesd")."""
 
     model: str
     control_net: str = ""
     embeddings: tuple[str, ...] = ()
+    decoder: str = ""
 
     def __str__(self) -> str:
         key = self.model
@@ -44,12 +51,19 @@ class EngineKey:
             key += CONTROL + self.control_net
         if self.embeddings:
             key += EMBEDDINGS + ",".join(sorted(self.embeddings))
+        if self.decoder:
+            key += DECODER + self.decoder
         return key
 
     @property
     def plain(self) -> bool:
         """The model alone (its key is its name)."""
-        return not self.control_net and not self.embeddings
+        return not self.control_net and not self.embeddings and not self.decoder
+
+
+def is_key(name: str) -> bool:
+    """Whether `name` is an engine key with parts beyond a model's name."""
+    return any(mark in name for mark in MARKS)
 
 
 def embedding_names(value: str) -> tuple[str, ...]:
@@ -63,6 +77,7 @@ def key_of(model: str, params: Mapping[str, Any]) -> EngineKey:
         model,
         str(params.get("control_net") or ""),
         embedding_names(str(params.get("embeddings") or "")),
+        engine_decoder(str(params.get("decoder") or "default")),
     )
 
 
@@ -73,6 +88,9 @@ def engine_key(model: str, params: Mapping[str, Any]) -> str:
 
 def parse(key: str) -> EngineKey | None:
     """The parts of an engine key, or None when it is not one (an upscaler's, a bad name)."""
+    key, marked, decoder = key.partition(DECODER)
+    if marked and decoder != "taesd":  # the only decoder a key names
+        return None
     rest, _, embeddings = key.partition(EMBEDDINGS)
     model, _, control = rest.partition(CONTROL)
     names = tuple(n for n in embeddings.split(",") if n) if embeddings else ()
@@ -81,7 +99,7 @@ def parse(key: str) -> EngineKey | None:
         return None
     if CONTROL in key and not control:
         return None
-    return EngineKey(model, control, names)
+    return EngineKey(model, control, names, decoder)
 
 
 def check_key(key: str, model: str, params: Mapping[str, Any]) -> None:
@@ -94,7 +112,8 @@ def check_key(key: str, model: str, params: Mapping[str, Any]) -> None:
 
 def unknown_error(key: str, heartbeats: Mapping[str, Mapping[str, Any]], models: list[str]) -> str:
     """Why no live worker can load engine `key`: its model, ControlNet or an embedding is
-    unknown (the scheduler fails such a job with this)."""
+    unknown, or no live worker's copy of its model has the TAESD it decodes with (the
+    scheduler fails such a job with this)."""
     parts = parse(key)
     if parts is None:
         return f"invalid engine {key!r}"
@@ -111,6 +130,11 @@ def unknown_error(key: str, heartbeats: Mapping[str, Mapping[str, Any]], models:
             f"has: {', '.join(have('controlnets')) or 'no ControlNets'}"
         )
     missing = [n for n in parts.embeddings if n not in have("embeddings")]
+    if parts.decoder and not missing:
+        return (
+            f"decoder taesd needs a TAESD file (role taesd) in model {parts.model!r}, and the "
+            "live workers' copies of it do not all have one; use decoder default"
+        )
     return f"unknown embedding {missing[0] if missing else '?'!r}: no live worker has it; " + (
         f"the farm has: {', '.join(have('embeddings')) or 'no embeddings'}"
     )

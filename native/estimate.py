@@ -60,6 +60,10 @@ class ModelFacts:
     context: int = 0
     """What the device's backend holds per engine process beyond the model's terms
     (CUDA_CONTEXT_BYTES on CUDA, 0 elsewhere): every slot is a process with its own."""
+    decoders: tuple[str, ...] = ()
+    """The decoders the model has (sdfarm.native.decoders: "vae", "taesd"), so a client
+    refuses a job's `decoder` the model lacks before it is queued. `decode_per_pixel` is
+    that of the model's own decoder; `with_decoder` gives a TAESD engine's."""
 
     def estimate(
         self,
@@ -141,6 +145,7 @@ class ModelFacts:
             "decode_per_pixel": self.decode_per_pixel,
             **({"control_heads": self.control_heads} if self.control_heads else {}),
             **({"context": self.context} if self.context else {}),
+            **({"decoders": list(self.decoders)} if self.decoders else {}),
         }
         if self.video:
             doc["video"] = self.video
@@ -157,13 +162,15 @@ class ModelFacts:
             str(doc.get("video") or ""),
             int(doc.get("control_heads") or 0),
             int(doc.get("context") or 0),
+            tuple(str(d) for d in doc.get("decoders") or ()),
         )
 
     @classmethod
     def cautious(cls, facts: list[ModelFacts]) -> ModelFacts:
         """One set of facts valid on every device that reported one: hosts whose copies or
         decode paths differ give the largest file size and decode term and the smallest
-        native size, so one estimate per job covers every device that may get it."""
+        native size, so one estimate per job covers every device that may get it; the
+        decoders every copy has."""
         native = min((f.native_size for f in facts), key=lambda s: s[0] * s[1])
         video = max(f.video for f in facts)  # copies of one name should agree
         return cls(
@@ -173,6 +180,7 @@ class ModelFacts:
             video,
             max(f.control_heads for f in facts),
             max(f.context for f in facts),
+            tuple(d for d in facts[0].decoders if all(d in f.decoders for f in facts)),
         )
 
     def with_extras(self, extra_bytes: int, control_heads: int = 0) -> ModelFacts:
@@ -184,19 +192,33 @@ class ModelFacts:
             control_heads=max(self.control_heads, control_heads),
         )
 
+    def with_decoder(self, decoder: str) -> ModelFacts:
+        """These facts for an engine of the model decoding with `decoder` ("taesd": the
+        TAESD's decode term, TAESD_DECODE_BYTES_PER_PIXEL; else as they are, the model's own
+        decoder's)."""
+        if decoder != "taesd":
+            return self
+        return replace(self, decode_per_pixel=TAESD_DECODE_BYTES_PER_PIXEL)
 
-def model_facts(model: Any, device: Device) -> ModelFacts:
-    """The facts of a loaded or loadable `Model` (sdfarm.native.model) on `device`."""
+
+def model_facts(model: Any, device: Device, decoder: str = "") -> ModelFacts:
+    """The facts of a loaded or loadable `Model` (sdfarm.native.model) on `device`, for an
+    engine decoding with `decoder` (vae or taesd; "": the model's own,
+    sdfarm.native.decoders)."""
+    from sdfarm.native.decoders import own
     from sdfarm.native.video import video_model
 
     found = video_model(model)
-    return ModelFacts(
+    decoders = tuple(model.decoders)
+    facts = ModelFacts(
         model.total_bytes,
         tuple(model.native_size),
-        decode_bytes_per_pixel(model.files, device),
+        decode_bytes_per_pixel(own(decoders), device),
         found.desc if found else "",
         context=context_bytes(device),
+        decoders=decoders,
     )
+    return facts.with_decoder(decoder)
 
 
 CUDA_CONTEXT_BYTES = 512 * memory.MiB
@@ -225,23 +247,34 @@ def use_conv_direct(device: str) -> bool:
     return not device.startswith("CUDA")
 
 
-def use_vae_conv_direct(roles: Mapping[str, object], device: str) -> bool:
+def use_vae_conv_direct(decoder: str, device: str) -> bool:
     """Direct VAE convolution keeps the full VAE's decode inside the estimate on the CPU
     (facts: 3.14 vs 4.06 GiB at 512x512) and costs nothing on Vulkan (0.30 s per 512x512
     image on the H200), but ggml's CUDA direct convolution made the full-size model's
     512x512 image take 2.02 s against 0.28 s without it (bench/results/gpu), so CUDA uses the
-    im2col path. TAESD's decode is small either way and runs 2x slower with it on the CPU.
-    `SDFARM_VAE_CONV_DIRECT=0|1` overrides, for measurements."""
+    im2col path. TAESD's decode (`decoder` taesd) is small either way and runs 2x slower with
+    it on the CPU. `SDFARM_VAE_CONV_DIRECT=0|1` overrides, for measurements."""
     forced = os.environ.get("SDFARM_VAE_CONV_DIRECT")
     if forced in ("0", "1"):
         return forced == "1"
-    return "taesd" not in roles and use_conv_direct(device)
+    return decoder != "taesd" and use_conv_direct(device)
 
 
-def decode_bytes_per_pixel(roles: Mapping[str, object], device: Device) -> int:
-    """Decode working memory per output pixel beyond the seed's estimate: the full VAE
-    without direct convolution on a GPU (memory.IM2COL_DECODE_BYTES_PER_PIXEL), else 0."""
-    if device.type == "cpu" or "taesd" in roles or use_vae_conv_direct(roles, device.name):
+TAESD_DECODE_BYTES_PER_PIXEL = 0
+"""A TAESD decode's working memory per output pixel beyond the seed's estimate: none
+measured. On the H200 the SD-Turbo-class model decoding with TAESD (im2col, CUDA) peaked at
+3.42 / 4.92 GiB of GPU memory at 512 / 1024 against seed estimates of 3.54 / 5.79 GiB
+(bench/results/gpu/cuda-gpu-memory-recheck.json, docs/gpu.md), where the full VAE's decode
+needed 10 KiB a pixel more (memory.IM2COL_DECODE_BYTES_PER_PIXEL)."""
+
+
+def decode_bytes_per_pixel(decoder: str, device: Device) -> int:
+    """Decode working memory per output pixel beyond the seed's estimate of an engine
+    decoding with `decoder` (vae or taesd): the full VAE without direct convolution on a GPU
+    (memory.IM2COL_DECODE_BYTES_PER_PIXEL); TAESD_DECODE_BYTES_PER_PIXEL for TAESD; else 0."""
+    if decoder == "taesd":
+        return TAESD_DECODE_BYTES_PER_PIXEL
+    if device.type == "cpu" or use_vae_conv_direct(decoder, device.name):
         return 0
     return memory.IM2COL_DECODE_BYTES_PER_PIXEL
 

@@ -105,15 +105,34 @@ class Model:
         return dict(sorted(pairs.items(), key=lambda kv: -len(kv[0])))
 
     @property
+    def decoders(self) -> tuple[str, ...]:
+        """The decoders this model has, the full VAE first (sdfarm.native.decoders): a job
+        chooses among them with its `decoder`."""
+        from .decoders import available
+
+        return available(self)
+
+    @property
     def can_encode(self) -> bool:
-        """Whether the model can turn an image into latents (img2img, inpainting need it):
-        the TAESD when it has one (the runtime then encodes and decodes with it), else the
-        VAE or the checkpoint's VAE, must hold an encoder; a decoder-only TAESD cannot."""
-        for role, prefixes in (
-            ("taesd", ("encoder.layers.", "tae.encoder.")),
-            ("vae", ("encoder.", "first_stage_model.encoder.", "vae.encoder.")),
-            ("checkpoint", ("first_stage_model.encoder.", "vae.encoder.")),
-        ):
+        """Whether the model's own decoder (its VAE, else its TAESD) comes with an encoder,
+        which img2img and inpainting need (`can_encode_with`)."""
+        from .decoders import own
+
+        return self.can_encode_with(own(self.decoders))
+
+    def can_encode_with(self, decoder: str) -> bool:
+        """Whether an engine decoding with `decoder` (vae or taesd) can turn an image into
+        latents: the runtime encodes with the decoder's own autoencoder, so the TAESD, or
+        the VAE file or the checkpoint's VAE, must hold an encoder; a decoder-only one cannot."""
+        sides = (
+            (("taesd", ("encoder.layers.", "tae.encoder.")),)
+            if decoder == "taesd"
+            else (
+                ("vae", ("encoder.", "first_stage_model.encoder.", "vae.encoder.")),
+                ("checkpoint", ("first_stage_model.encoder.", "vae.encoder.")),
+            )
+        )
+        for role, prefixes in sides:
             mf = self.files.get(role)
             if mf is not None:
                 return any(n.startswith(prefixes) for n in mf.header.tensors)

@@ -30,6 +30,7 @@ from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from typing import Any
 
 from sdfarm.native import addresses, images
+from sdfarm.native.decoders import DECODERS
 from sdfarm.native.errors import InvalidParameterError
 from sdfarm.native.logs import LEVELS
 
@@ -373,6 +374,11 @@ class GenerationParams:
         "choice", "auto", "decode the image in tiles, which bounds the decode's memory: auto "
         "tiles when the untiled estimate does not fit the device (the job's warnings say "
         "so), on always, off never", choices=VAE_TILING,
+    )  # fmt: skip
+    decoder: str = param(
+        "choice", "default", "what turns the latent into pixels: default the model's own (its "
+        "full VAE, else its TAESD), vae its full VAE, taesd its TAESD (the model needs a taesd "
+        "file): several times faster, a coarser image (docs/gpu.md)", choices=DECODERS,
     )  # fmt: skip
     preview_every: int = param(
         "int", 0, "a small preview image (longest side 256) in the job's events every N "

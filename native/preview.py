@@ -9,13 +9,12 @@ the engine's watcher thread, as it does progress. The runtime's own `interval` a
 read by nothing in master-596 (it previews every step); the shim turns the runtime's preview
 on only for every `preview_every`-th step, so the skipped steps cost nothing.
 
-Kinds (sd.cpp's preview_t): TAE decodes the latent with the model's TAESD, which is the
-model's own decoder when it has one (a `taesd` file makes the runtime decode with it, so the
-preview costs a TAESD decode and no extra memory); PROJ projects the latent's channels to RGB
-with a fixed matrix (no model, latent-sized frames, nothing for families the runtime has no
-matrix for). VAE would run the full VAE decode once per previewed step: never chosen.
-`tae_preview_only` (a TAESD for previews beside a full VAE) is not used: it would change which
-decoder makes a model's final image and load a second decoder.
+Kinds (sd.cpp's preview_t): TAE decodes the latent with the model's TAESD, whether the
+engine decodes its images with it (a job's decoder taesd, or a model with no full VAE) or
+holds it only for previews beside the full VAE (`tae_preview_only`, sdfarm.native.decoders:
+a few MB more); PROJ projects the latent's channels to RGB with a fixed matrix (no model,
+latent-sized frames, nothing for families the runtime has no matrix for). VAE would run the
+full VAE decode once per previewed step: never chosen.
 
 What it costs, measured with the tiny model on the 2-core development VM (shared with other
 work: CPU seconds of the process are steadier than wall time there), 256x256, 4 steps,
@@ -52,8 +51,8 @@ MODES = {"none": 0, "proj": 1, "tae": 2, "vae": 3}  # sd.cpp's preview_t, in its
 
 
 def mode_for(roles: set[str] | frozenset[str] | list[str]) -> str:
-    """The preview kind for a model with these file roles: TAE when it has a TAESD (the
-    runtime then decodes with it anyway), else the latent projection.
+    """The preview kind for an engine whose context holds files of these roles: TAE when a
+    TAESD is among them (as the decoder or for previews only), else the latent projection.
     `$SDFARM_PREVIEW_MODE` (proj, tae, vae) overrides, for measurements."""
     forced = os.environ.get("SDFARM_PREVIEW_MODE", "")
     if forced in MODES and forced != "none":

@@ -188,6 +188,98 @@ def make_test_model(out_dir: str | os.PathLike[str]) -> list[Path]:
     return folders
 
 
+VAE_VARIANT = "tiny-vae"
+"""A third folder (`make_vae_test_model`): tiny-f16's files plus a full VAE (`vae.safetensors`),
+so a job can choose its decoder (sdfarm.native.decoders): the VAE by default, the TAESD on
+request. Not written by `make_test_model`, whose two folders every other test lists."""
+VAE_CH = 32
+"""The tiny VAE decoder's base width. master-596 infers the decoder's width from
+`decoder.conv_in.weight` (AutoEncoderKLModel.detect_decoder_ch: its output channels over the
+last ch_mult, 4) and keeps SD's layout (ch_mult 1, 2, 4, 4; two res blocks a level plus one;
+one attention block in the middle); GroupNorm32 needs multiples of 32, so 32 is the least:
+128/128/64/32 channels per level, 3.1 M parameters (6.3 MB in f16) against the real one's 49 M.
+Its encoder's width is fixed at 128 (34 M parameters), so the tiny VAE has no encoder: its
+engine cannot encode (img2img goes through the TAESD engine, which can)."""
+
+
+def vae_decoder_specs(
+    z_channels: int = 16, ch: int = VAE_CH, ch_mult: tuple[int, ...] = (1, 2, 4, 4),
+    res_blocks: int = 2,
+) -> dict[str, tuple[int, ...]]:  # fmt: skip
+    """The KL VAE decoder master-596 builds for a 16-channel-latent model (Decoder in
+    src/auto_encoder_kl.hpp: conv_in, a middle of resnet + attention + resnet, per level from
+    the deepest `res_blocks + 1` resnets and an upsample, norm_out, conv_out), in PyTorch
+    order. Flux-style latents (16 channels) have no post_quant_conv."""
+    out: dict[str, tuple[int, ...]] = {}
+
+    def conv(name: str, cin: int, cout: int, k: int = 3) -> None:
+        out[f"decoder.{name}.weight"] = (cout, cin, k, k)
+        out[f"decoder.{name}.bias"] = (cout,)
+
+    def norm(name: str, c: int) -> None:
+        out[f"decoder.{name}.weight"] = (c,)
+        out[f"decoder.{name}.bias"] = (c,)
+
+    def resnet(name: str, cin: int, cout: int) -> None:
+        norm(f"{name}.norm1", cin)
+        conv(f"{name}.conv1", cin, cout)
+        norm(f"{name}.norm2", cout)
+        conv(f"{name}.conv2", cout, cout)
+        if cin != cout:
+            conv(f"{name}.nin_shortcut", cin, cout, 1)
+
+    block_in = ch * ch_mult[-1]
+    conv("conv_in", z_channels, block_in)
+    resnet("mid.block_1", block_in, block_in)
+    norm("mid.attn_1.norm", block_in)
+    for proj in ("q", "k", "v", "proj_out"):
+        conv(f"mid.attn_1.{proj}", block_in, block_in, 1)
+    resnet("mid.block_2", block_in, block_in)
+    for i in reversed(range(len(ch_mult))):
+        block_out = ch * ch_mult[i]
+        for j in range(res_blocks + 1):
+            resnet(f"up.{i}.block.{j}", block_in, block_out)
+            block_in = block_out
+        if i:
+            conv(f"up.{i}.upsample.conv", block_in, block_in)
+    norm("norm_out", block_in)
+    conv("conv_out", block_in, 3)
+    return dict(sorted(out.items()))
+
+
+def _write_vae(path: Path, ch: int = VAE_CH) -> None:
+    """The VAE decoder of base width `ch`, drawn like the model's weights (norm gains 1,
+    biases 0)."""
+    from safetensors.numpy import save_file
+
+    specs = vae_decoder_specs(ch=ch)
+    tensors = {n: (w.astype(np.float16) if w.ndim >= 2 else w) for n, w in _weights("vae", specs)}
+    metadata = {"sdfarm": f"tiny random-weight test VAE, seed {SEED}"}
+    _write_atomically(path, lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
+
+
+def make_vae_test_model(
+    out_dir: str | os.PathLike[str], vae_ch: int = VAE_CH, name: str = VAE_VARIANT
+) -> Path:
+    """Write `out_dir/tiny-vae/`: tiny-f16's diffusion model, text encoder and TAESD plus the
+    tiny VAE (`vae_decoder_specs`), and a model.json naming all four; returns the folder. The
+    same bytes every run. `vae_ch` 128 writes the real VAE decoder's width (49 M parameters,
+    98 MB), for measuring decode times (bench/decoder_quality.py)."""
+    folder = Path(out_dir) / name
+    folder.mkdir(parents=True, exist_ok=True)
+    specs = tensor_specs()
+    files = {}
+    for part, (stem, role) in PARTS.items():
+        _write_safetensors(folder / f"{stem}.safetensors", part, specs[part])
+        files[role] = f"{stem}.safetensors"
+    _write_vae(folder / "vae.safetensors", vae_ch)
+    files["vae"] = "vae.safetensors"
+    manifest = {"files": files, "native_size": list(NATIVE_SIZE)}
+    text = json.dumps(manifest, indent=2) + "\n"
+    _write_atomically(folder / "model.json", lambda tmp: tmp.write_text(text, encoding="utf-8"))
+    return folder
+
+
 TEST_LORA = "tiny-lora"
 LORA_TARGETS = ("double_blocks.0.img_attn.qkv", "double_blocks.0.txt_attn.qkv",
                 "single_blocks.0.linear1")  # fmt: skip

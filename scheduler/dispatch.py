@@ -476,7 +476,7 @@ class Dispatcher:
 
     @staticmethod
     def _unknown_error(model: str, snap: Snapshot) -> str:
-        if enginekey.CONTROL in model or enginekey.EMBEDDINGS in model:
+        if enginekey.is_key(model):
             return enginekey.unknown_error(model, snap.heartbeats, snap.models())
         upscaler = upscaler_name(model)
         if upscaler is not None:

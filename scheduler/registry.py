@@ -280,7 +280,7 @@ def model_facts(heartbeats: Mapping[str, Mapping[str, Any]], name: str) -> Facts
     if upscaler is not None:
         ups = [f for hb in heartbeats.values() if (f := heartbeat_upscalers(hb).get(upscaler))]
         return UpscalerFacts.cautious(ups) if ups else None
-    if enginekey.CONTROL in name or enginekey.EMBEDDINGS in name:
+    if enginekey.is_key(name):
         return key_facts(heartbeats, name, lambda m: model_facts(heartbeats, m))
     found = [f for hb in heartbeats.values() if (f := heartbeat_models(hb).get(name))]
     return ModelFacts.cautious(found) if found else None
@@ -289,13 +289,18 @@ def model_facts(heartbeats: Mapping[str, Mapping[str, Any]], name: str) -> Facts
 def key_facts(
     heartbeats: Mapping[str, Mapping[str, Any]], name: str, base: Any
 ) -> ModelFacts | None:
-    """The facts of an engine key (sdfarm.native.enginekey: a model with a ControlNet and
-    embeddings): its model's facts (`base(model)`) with the ControlNet's and the embeddings'
-    bytes added, the largest copy any live worker lists; None when one part is unknown."""
+    """The facts of an engine key (sdfarm.native.enginekey: a model with a ControlNet,
+    embeddings or the TAESD as decoder): its model's facts (`base(model)`) with the
+    ControlNet's and the embeddings' bytes added, the largest copy any live worker lists, and
+    the TAESD's decode term for a TAESD engine; None when one part is unknown (a TAESD engine
+    of a model whose live copies do not all have a TAESD included)."""
     key = enginekey.parse(name)
     facts = base(key.model) if key is not None else None
     if key is None or not isinstance(facts, ModelFacts):
         return None
+    if key.decoder and key.decoder not in facts.decoders:
+        return None
+    facts = facts.with_decoder(key.decoder)
     controlnets: dict[str, int] = {}
     embeddings: dict[str, int] = {}
     for hb in heartbeats.values():
@@ -356,7 +361,7 @@ class Snapshot:
     def model_facts(self, name: str) -> Facts | None:
         if upscaler_name(name) is not None:
             return model_facts(self.heartbeats, name)
-        if enginekey.CONTROL in name or enginekey.EMBEDDINGS in name:
+        if enginekey.is_key(name):
             return key_facts(self.heartbeats, name, self._index().get)
         return self._index().get(name)
 

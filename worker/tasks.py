@@ -22,6 +22,7 @@ from typing import Any
 
 from sdfarm.native import enginekey, images, logs, upscale_params, video_params
 from sdfarm.native.controlnets import CONTROL_HEADS
+from sdfarm.native.decoders import resolve as resolve_decoder
 from sdfarm.native.engine import LogConfig, ModelWith, check_extras, extras_bytes
 from sdfarm.native.errors import EngineError, InvalidParameterError, ModelTooLargeError
 from sdfarm.native.estimate import model_facts, upscaler_facts
@@ -139,7 +140,7 @@ class JobRun:
         """A generation's checked parameters, model, LoRAs and engine: (engine, the call)."""
         params = validate(from_mapping(self._with_inputs(spec.params)))
         # The job's model may be an engine key (sdfarm.native.enginekey): the model with a
-        # ControlNet and embeddings, which its engine is loaded with.
+        # ControlNet, embeddings or the TAESD as decoder, which its engine is loaded with.
         # (Not a key: taken as a model's name, which the catalog refuses when it is not one.)
         key = enginekey.parse(spec.model) or enginekey.EngineKey(spec.model)
         enginekey.check_key(spec.model, key.model, asdict(params))
@@ -150,11 +151,13 @@ class JobRun:
         control_net = self.ctx.controlnets.load(key.control_net) if key.control_net else None
         embeddings = tuple(self.ctx.embeddings.load(n) for n in key.embeddings)
         check_extras(model, control_net, embeddings)
-        facts = model_facts(model, self.ctx.config.device)
+        # Refused before any load when this copy of the model lacks the decoder asked for.
+        decoder = resolve_decoder(params.decoder, model.decoders, model.name)
+        facts = model_facts(model, self.ctx.config.device, decoder)
         heads = CONTROL_HEADS if control_net is not None else 0
         facts = facts.with_extras(extras_bytes(control_net, embeddings), heads)
         if not key.plain:
-            model = ModelWith(model, control_net, embeddings)
+            model = ModelWith(model, control_net, embeddings, key.decoder)
         loras = {name: self.ctx.loras.load(name) for name, _ in params.loras}
         extra = sum(f.size for f in loras.values())
         ups = {}

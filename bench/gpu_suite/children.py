@@ -233,6 +233,7 @@ def child_main(spec: dict[str, Any]) -> int:
             check_memory=spec.get("check_memory", True),
             log=LogConfig(level=spec.get("log_level", "info")),
             warm_up=spec.get("warm_up"),
+            decoder=spec.get("decoder", "default"),
         )
     except Exception as e:  # noqa: BLE001 - a refusal is a result here
         out["error"] = _error_doc(e)
@@ -256,6 +257,7 @@ def child_main(spec: dict[str, Any]) -> int:
             seed=g.get("seed", SEED),
             batch_count=g.get("batch_count", 1),
             cfg_scale=1.0,
+            decoder=engine.decoder,
             **job_extras(g.get("params") or {}, w, h),
         )
         row: dict[str, Any] = {

@@ -27,6 +27,9 @@ def stage_memory(args: argparse.Namespace, deadline: Deadline, runtimes: list[Ru
                     "device": rt.device,
                     "log_level": "none",
                     "gens": gens_spec(1, w, h, 1),
+                    # The TAESD model decodes with its TAESD (a job's decoder; its own
+                    # decoder is the checkpoint's VAE: sdfarm.native.decoders).
+                    "decoder": "taesd" if model == args.taesd_model else "default",
                 }
                 env = rt.env()
                 st.child_command(spec, env)

@@ -66,7 +66,9 @@ def sd_cli_command(
     from sdfarm.native.estimate import use_vae_conv_direct
 
     device = "CUDA0" if os.environ.get("SDFARM_SUITE_BACKEND") == "cuda" else "other"
-    if use_vae_conv_direct(files, device):
+    # sd-cli decodes with the TAESD whenever it is given one (--taesd without
+    # --taesd-preview-only).
+    if use_vae_conv_direct("taesd" if "taesd" in files else "vae", device):
         cmd.append("--vae-conv-direct")
     if batch_count != 1:
         cmd += ["--batch-count", str(batch_count)]

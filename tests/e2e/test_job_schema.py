@@ -75,6 +75,9 @@ VALUES: dict[str, Any] = {
     "hires_tile_size": 64,
     "step_cache": "easycache",
     "vae_tiling": "on",
+    # The tiny model's only decoder is its TAESD: the job names it (on an engine of its own
+    # key, tiny-f16+decoder:taesd); tests/e2e/test_decoder.py chooses between two decoders.
+    "decoder": "taesd",
     "preview_every": 1,
 }
 SD1_VALUES: dict[str, Any] = {

@@ -365,16 +365,16 @@ def test_im2col_decode_term_covers_the_measured_cuda_peaks():
 
 
 @pytest.mark.parametrize(
-    ("roles", "device", "expected"),
+    ("decoder", "device", "expected"),
     [
-        ({"checkpoint": 1}, "CPU", True),
-        ({"checkpoint": 1}, "Vulkan0", True),
-        ({"checkpoint": 1}, "CUDA0", False),
-        ({"diffusion_model": 1, "taesd": 1}, "CPU", False),
+        ("vae", "CPU", True),
+        ("vae", "Vulkan0", True),
+        ("vae", "CUDA0", False),
+        ("taesd", "CPU", False),
     ],
 )
-def test_direct_vae_convolution_where_it_is_cheap(roles, device, expected, monkeypatch):
+def test_direct_vae_convolution_where_it_is_cheap(decoder, device, expected, monkeypatch):
     from sdfarm.native.engine import use_vae_conv_direct
 
     monkeypatch.delenv("SDFARM_VAE_CONV_DIRECT", raising=False)
-    assert use_vae_conv_direct(roles, device) is expected
+    assert use_vae_conv_direct(decoder, device) is expected

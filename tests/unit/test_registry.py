@@ -204,17 +204,17 @@ def test_a_cuda_workers_decode_term_reaches_the_estimate() -> None:
 
 
 @pytest.mark.parametrize(
-    ("device", "roles", "expected"),
+    ("device", "decoder", "expected"),
     [
-        (Device(0, "CUDA0", "H200", "gpu", 1, 1), {"diffusion_model": 1, "vae": 1}, IM2COL),
-        (Device(0, "CUDA0", "H200", "gpu", 1, 1), {"diffusion_model": 1, "taesd": 1}, 0),
-        (Device(0, "Vulkan0", "H200", "gpu", 1, 1), {"diffusion_model": 1, "vae": 1}, 0),
-        (Device(0, "CPU", "Xeon", "cpu", 1, 1), {"diffusion_model": 1, "vae": 1}, 0),
+        (Device(0, "CUDA0", "H200", "gpu", 1, 1), "vae", IM2COL),
+        (Device(0, "CUDA0", "H200", "gpu", 1, 1), "taesd", 0),
+        (Device(0, "Vulkan0", "H200", "gpu", 1, 1), "vae", 0),
+        (Device(0, "CPU", "Xeon", "cpu", 1, 1), "vae", 0),
     ],
 )
-def test_decode_term_per_device_and_vae(device, roles, expected, monkeypatch) -> None:
+def test_decode_term_per_device_and_decoder(device, decoder, expected, monkeypatch) -> None:
     monkeypatch.delenv("SDFARM_VAE_CONV_DIRECT", raising=False)
-    assert decode_bytes_per_pixel(roles, device) == expected
+    assert decode_bytes_per_pixel(decoder, device) == expected
 
 
 def test_parse_heartbeat_rejects_garbage() -> None:
@@ -281,7 +281,10 @@ def test_the_workers_facts_give_the_scheduler_the_engines_estimate(device, vae, 
 
     monkeypatch.delenv("SDFARM_VAE_CONV_DIRECT", raising=False)
     model = SimpleNamespace(
-        total_bytes=3 * GiB, native_size=(1024, 1024), files={"diffusion_model": 1, vae: 1}
+        total_bytes=3 * GiB,
+        native_size=(1024, 1024),
+        files={"diffusion_model": 1, vae: 1},
+        decoders=(vae,),
     )
     beat = hb(models={"m": engine_facts(model, device).as_json()})
     scheduler = model_facts({"h1/CUDA0": beat}, "m")
@@ -299,3 +302,49 @@ def test_the_workers_facts_give_the_scheduler_the_engines_estimate(device, vae, 
     assert engine.estimate(512, 512, tiled=True) - bare.estimate(512, 512, tiled=True) == (
         engine.context
     )
+
+
+@pytest.mark.parametrize(
+    "device",
+    [Device(0, "CUDA0", "H200", "gpu", 1, 1), Device(0, "CPU", "Xeon", "cpu", 1, 1)],
+)
+def test_a_taesd_engine_key_is_estimated_as_the_worker_loads_it(device, monkeypatch):
+    """A model with a full VAE and a TAESD: its plain key is the VAE engine's (the im2col
+    decode term on CUDA), `+decoder:taesd` the TAESD engine's (no decode term), the same
+    figure the worker's engine makes for each; a key asking for a TAESD the model lacks
+    has no facts (the scheduler then fails the job with the reason)."""
+    from types import SimpleNamespace
+
+    from sdfarm.native.enginekey import unknown_error
+    from sdfarm.native.estimate import model_facts as engine_facts
+
+    monkeypatch.delenv("SDFARM_VAE_CONV_DIRECT", raising=False)
+    both = SimpleNamespace(
+        total_bytes=3 * GiB,
+        native_size=(512, 512),
+        files={"checkpoint": 1, "taesd": 1},
+        decoders=("vae", "taesd"),
+    )
+    vae_only = SimpleNamespace(**{**vars(both), "decoders": ("vae",), "files": {"checkpoint": 1}})
+    hbs = {
+        "h1/X": hb(models={
+            "m": engine_facts(both, device).as_json(),
+            "n": engine_facts(vae_only, device).as_json(),
+        })
+    }  # fmt: skip
+    vae, taesd = model_facts(hbs, "m"), model_facts(hbs, "m+decoder:taesd")
+    assert vae.decoders == taesd.decoders == ("vae", "taesd")
+    for side in (512, 1024):
+        assert vae.estimate(side, side) == engine_facts(both, device).estimate(side, side)
+        assert taesd.estimate(side, side) == engine_facts(both, device, "taesd").estimate(
+            side, side
+        )
+    cuda = device.name.startswith("CUDA")
+    assert (vae.estimate(1024, 1024) > taesd.estimate(1024, 1024)) == cuda
+    assert taesd.decode_per_pixel == 0
+    assert model_facts(hbs, "n+decoder:taesd") is None
+    assert "TAESD" in unknown_error("n+decoder:taesd", hbs, ["m", "n"])
+    # Copies of one model that differ: only the decoders every copy has count.
+    hbs["h2/X"] = hb("h2", models={"m": engine_facts(vae_only, device).as_json()})
+    assert model_facts(hbs, "m").decoders == ("vae",)
+    assert model_facts(hbs, "m+decoder:taesd") is None
