@@ -16,6 +16,12 @@ load, so the video tests use one of the real architecture, kept small:
   and conditions on zeros, so the prompt is ignored (the job's warnings say so).
 - `wan-vace-test`: the same DiT plus one VACE block and the VACE patch embedding: the runtime
   reads it as Wan2.1-VACE-1.3B, which takes an init image (its reference image).
+- `wan-moe-test`: a Wan 2.2-style MoE pair: the T2V DiT as the low-noise expert and another
+  of the same architecture (other weights) as the `high_noise_diffusion_model`.
+
+`I2V_14B` describes Wan2.2-I2V-14B's expert, the only variant that reads an end image, for
+bench/wan22_i2v_cost.py: the runtime builds it only at full size (40 layers of dim 5120, 14.3 B
+parameters, 8.06 GB in q4_0), so no test model of it is written for CI.
 
 Deterministic (each tensor from its own seeded generator): the same bytes on every run.
 `cached_wan_test_model()` writes it once under the runtime's cache folder, keyed by this
