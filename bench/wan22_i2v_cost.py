@@ -103,6 +103,7 @@ def main() -> int:
         "video without and with first+last frame, peak RSS; 2 threads, this machine's CPU",
         "when": time.strftime("%Y-%m-%d"),
         "cpu_threads": os.cpu_count(),
+        "load_average_after": [round(x, 1) for x in os.getloadavg()],
         **row,
     }
     if args.out:
