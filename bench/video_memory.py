@@ -8,6 +8,10 @@ CUDA device it is nvidia-smi's memory.used, sampled every 50 ms by the parent wh
 runs, less its reading before.
 
     python bench/video_memory.py [--device CUDA0] [--cases 480x832x17,...] [--out FILE]
+                                 [--variant moe]
+
+`--variant moe` runs the Wan 2.2-style MoE pair of the test model (a high_noise_diffusion_model
+beside the same DiT: both stay loaded) with one step of each expert (high_noise_steps 1).
 """
 
 from __future__ import annotations
@@ -33,7 +37,11 @@ CASES = (
 )
 
 
-def child(w: int, h: int, frames: int, device: str, model: str) -> dict:
+VARIANTS = {"t2v": ("wan-t2v-test", {}), "moe": ("wan-moe-test", {"high_noise_steps": 1})}
+"""--variant: the test model's folder name and what each video adds to its parameters."""
+
+
+def child(w: int, h: int, frames: int, device: str, model: str, extra: dict | None = None) -> dict:
     """One case in this process: the peak RSS, the estimate and the times. numpy stays out
     of this process before the runtime loads (on the H200 host that crashed it: docs/gpu.md),
     so the model is written by another process first (`test_model`)."""
@@ -47,8 +55,9 @@ def child(w: int, h: int, frames: int, device: str, model: str) -> dict:
         load_s = time.monotonic() - t
         t = time.monotonic()
         result = engine.video(
-            prompt="a bench", width=w, height=h, frames=frames, steps=1, cfg_scale=1.0, seed=1
-        )
+            prompt="a bench", width=w, height=h, frames=frames, steps=1, cfg_scale=1.0, seed=1,
+            **(extra or {}),
+        )  # fmt: skip
         seconds = time.monotonic() - t
         pngs = [png_bytes(f, {**result.metadata, "frame": i}) for i, f in enumerate(result.frames)]
         estimate = result.metadata["estimate"]
@@ -70,17 +79,17 @@ def child(w: int, h: int, frames: int, device: str, model: str) -> dict:
     }
 
 
-def test_model() -> str:
+def test_model(name: str = "wan-t2v-test") -> str:
     """The cached Wan test model's folder, written (numpy) in a process of its own."""
-    code = "from sdfarm.native.wantestmodel import cached_wan_test_model as m; print(m())"
+    code = f"from sdfarm.native.wantestmodel import cached_wan_test_model as m; print(m({name!r}))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     return out.stdout.strip().splitlines()[-1]
 
 
-def run_case(w: int, h: int, frames: int, device: str, model: str) -> dict:
+def run_case(w: int, h: int, frames: int, device: str, model: str, variant: str) -> dict:
     """A case in a child process; on CUDA, its GPU peak sampled from here."""
     cmd = [sys.executable, __file__, "--child", str(w), str(h), str(frames), "--device", device,
-           "--model", model]  # fmt: skip
+           "--model", model, "--variant", variant]  # fmt: skip
     stdout, peak_gpu = gpupeak.run_sampled(cmd, device)
     row = json.loads(stdout.strip().splitlines()[-1])
     if peak_gpu is not None:
@@ -100,12 +109,14 @@ def main() -> int:
     ap.add_argument("--deadline", type=float, default=None, help="no new case after this (s)")
     ap.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
+    ap.add_argument("--variant", choices=sorted(VARIANTS), default="t2v", help="the test model")
     args = ap.parse_args()
+    name, extra = VARIANTS[args.variant]
     if args.child:
         w, h, frames = (int(x) for x in args.child)
-        print(json.dumps(child(w, h, frames, args.device, args.model)))
+        print(json.dumps(child(w, h, frames, args.device, args.model, extra)))
         return 0
-    model = test_model()
+    model = test_model(name)
     cases = CASES
     if args.cases:
         cases = tuple(tuple(int(x) for x in c.split("x")) for c in args.cases.split(","))
@@ -116,7 +127,7 @@ def main() -> int:
             print(f"{w}x{h}x{frames}: skipped (deadline)", flush=True)
             continue
         try:
-            row = run_case(w, h, frames, args.device, model)
+            row = run_case(w, h, frames, args.device, model, args.variant)
         except subprocess.CalledProcessError as exc:
             print(f"{w}x{h}x{frames}: failed: {(exc.stderr or '')[-800:]}", flush=True)
             rows.append({"size": f"{w}x{h}", "frames": frames, "failed": True, "covered": False})
@@ -131,7 +142,14 @@ def main() -> int:
     doc = {
         "what": "peak RSS of one video job (fresh process, frames PNG-encoded, animated WebP) "
         "vs ModelFacts.video_estimate; random-weight Wan2.1 T2V 1.3B (q4_0 DiT, f16 VAE, no "
-        "T5), 1 step, cfg 1",
+        "T5), 1 step, cfg 1"
+        + (
+            "; as a MoE pair: a second DiT of the same architecture as high_noise_diffusion_model"
+            ", one step of each expert (high_noise_steps 1)"
+            if args.variant == "moe"
+            else ""
+        ),
+        "model": name,
         "device": args.device,
         "peak": "nvidia-smi memory.used above its reading before the case"
         if args.device.upper().startswith("CUDA")

@@ -24,6 +24,7 @@ from .headers import FileHeader, validate_header
 from .roles import (
     COMPONENTS,
     DEFAULT_NATIVE_SIZE,
+    HIGH_NOISE,
     ROLE_COMPONENTS,
     ROLE_PARAMS,
     ROLES,
@@ -35,13 +36,18 @@ from .roles import (
     split_checkpoint,
 )
 from .video import check_header as check_video_header
+from .video import check_pair
 
 MODEL_SUFFIXES: tuple[str, ...] = (".safetensors", ".gguf")
 MANIFEST_NAME = "model.json"
 
 # A role slot that also takes files detected as another role: sd.cpp's model_path loads a
 # diffusion-only file (a checkpoint may lack the parts given in other slots).
-_ALSO_ACCEPTS: dict[str, tuple[str, ...]] = {"checkpoint": ("diffusion_model",)}
+# The high-noise expert of a Wan 2.2 pair is a diffusion model by its tensor names.
+_ALSO_ACCEPTS: dict[str, tuple[str, ...]] = {
+    "checkpoint": ("diffusion_model",),
+    HIGH_NOISE: ("diffusion_model",),
+}
 
 
 @dataclass(frozen=True)
@@ -181,6 +187,10 @@ class Model:
                 f"model {name or '(unnamed)'} has no diffusion_model or checkpoint file "
                 f"(it has: {', '.join(model_files)})"
             )
+        check_pair(
+            {r: (mf.header, mf.path.name) for r, mf in model_files.items()},
+            name or main.path.stem,
+        )
         if name is None:
             name = main.path.stem
         if directory is None:
@@ -313,6 +323,13 @@ def _detect_files(folder: Path) -> dict[str, Path]:
             raise ModelLoadError(
                 f"model file {p.name} in model {folder.name}: its role cannot be told from its "
                 f"tensor names ({shown}); name it in {MANIFEST_NAME}"
+            )
+        if role in found and role == "diffusion_model":
+            raise ModelLoadError(
+                f"diffusion_model files {found[role].name} and {p.name} in model {folder.name}: "
+                f"two diffusion models; for a Wan 2.2 pair name the low-noise one "
+                f"diffusion_model and the high-noise one {HIGH_NOISE} in {MANIFEST_NAME}",
+                role=role,
             )
         if role in found:
             raise ModelLoadError(

@@ -155,7 +155,7 @@ class Param:
     step: int | None = None
     unit: str = ""
     choices: tuple[str, ...] = ()
-    auto: int | None = None
+    auto: float | None = None
     auto_text: str = ""  # what `auto` means, when not "pick one"
     max_chars: int | None = None
     max_bytes: int | None = None
@@ -249,6 +249,8 @@ class Param:
             return value
         if self.kind == "float":
             number = _float(self.name, value)
+            if self.auto is not None and number == self.auto:
+                return number
             if not math.isfinite(number) or not self.lo <= number <= self.hi:  # type: ignore[operator]
                 raise InvalidParameterError(self.name, f"{number} is outside {self.range_text}")
             return number

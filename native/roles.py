@@ -21,6 +21,7 @@ from .headers import FileHeader
 ROLE_PARAMS: dict[str, str] = {
     "checkpoint": "model_path",
     "diffusion_model": "diffusion_model_path",
+    "high_noise_diffusion_model": "high_noise_diffusion_model_path",
     "clip_l": "clip_l_path",
     "clip_g": "clip_g_path",
     "t5xxl": "t5xxl_path",
@@ -29,10 +30,15 @@ ROLE_PARAMS: dict[str, str] = {
     "taesd": "taesd_path",
 }
 ROLES: tuple[str, ...] = tuple(ROLE_PARAMS)
+HIGH_NOISE = "high_noise_diffusion_model"
+"""The high-noise expert of a Wan 2.2 MoE pair (the low-noise one is the diffusion_model): its
+tensors are a Wan DiT's like the other's, so a file's names never tell this role; a manifest
+names it (sdfarm.native.video.check_pair checks the pair)."""
 
 # Which part of the pipeline each role feeds (the fit plan places these three separately).
 ROLE_COMPONENTS: dict[str, str] = {
     "diffusion_model": "diffusion",
+    HIGH_NOISE: "diffusion",  # both experts stay loaded (free_params_immediately off)
     "clip_l": "text_encoders",
     "clip_g": "text_encoders",
     "t5xxl": "text_encoders",

@@ -20,6 +20,13 @@ What the runtime reads of a job's images (prepare_video_generation_latents):
 The SVD UNet, which the runtime also runs through generate_video, is not offered (no sdfarm
 test loads one).
 
+Wan 2.2's A14B models are pairs of DiTs (MoE experts of one variant): the runtime loads the
+second as `high_noise_diffusion_model` (master-596 new_sd_ctx), keeps both loaded, samples the
+first steps with it, until the schedule's sigma falls below `moe_boundary` (or for
+`high_noise_steps` steps), and the rest with the diffusion_model (generate_video). A
+high-noise file that is not a Wan DiT gives a Wan runner of 0 layers, which ends the process
+(GGML_ABORT "invalid num_layers"), so `check_pair` refuses it before any load.
+
 A Wan model without a umT5-XXL file loads and generates: the runtime conditions on zeros and
 the prompt does nothing (measured with sdfarm's test model: "a cat" and "a dog" give the same
 bytes); the result's warnings say so.
@@ -31,8 +38,8 @@ import io
 import re
 import threading
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from PIL import Image
@@ -45,7 +52,8 @@ from sdfarm.native.errors import (
     ModelTooLargeError,
 )
 from sdfarm.native.headers import FileHeader
-from sdfarm.native.video_params import VideoParams, validate
+from sdfarm.native.roles import HIGH_NOISE
+from sdfarm.native.video_params import SAME_AS_LOW, VideoParams, validate
 
 if TYPE_CHECKING:
     from sdfarm.native.engine import Engine, LogConfig
@@ -76,6 +84,8 @@ class VideoModel:
     init_image: bool
     end_image: bool
     text_encoder: bool
+    moe: bool = False
+    """Whether it has a high-noise expert (a Wan 2.2 pair): the high-noise parameters apply."""
 
     def refuse_images(self, params: VideoParams) -> None:
         """InvalidParameterError naming an input image this model does not read."""
@@ -94,6 +104,18 @@ class VideoModel:
                 "end_image": "Wan2.2-I2V-14B",
             }[name]
             raise InvalidParameterError(name, f"{self.desc} takes no {name}: {why} (use {readers})")
+
+    def check(self, params: VideoParams) -> None:
+        """InvalidParameterError naming an input image or a high-noise parameter this model
+        does not read (the runtime would ignore it silently)."""
+        self.refuse_images(params)
+        given = params.moe_given
+        if given and not self.moe:
+            raise InvalidParameterError(
+                given[0],
+                f"{self.desc} without a high-noise expert takes no {given[0]}: the runtime "
+                f"reads it only for a Wan 2.2 pair (a model with a {HIGH_NOISE} file)",
+            )
 
 
 def _names(header: FileHeader) -> list[str]:
@@ -170,6 +192,39 @@ def describe(header: FileHeader, text_encoder: bool) -> VideoModel | None:
     return VideoModel(desc, layers, False, False, text_encoder)
 
 
+def check_pair(files: Mapping[str, tuple[FileHeader, str]], name: str) -> None:
+    """ModelLoadError for a high_noise_diffusion_model the runtime would abort on or misuse;
+    `files` maps roles to (header, file name). It must be a Wan DiT (any other file gives the
+    runtime a Wan runner of 0 layers: GGML_ABORT), beside a Wan diffusion model (elsewhere
+    the runtime never reads it), of the same variant (the experts of one model share its
+    version, input channels and images)."""
+    high = files.get(HIGH_NOISE)
+    if high is None:
+        return
+    main = files.get("diffusion_model") or files.get("checkpoint")
+    high_vm = describe(high[0], False)
+    what = f"{HIGH_NOISE} file {high[1]} of model {name}"
+    if high_vm is None:
+        raise ModelLoadError(
+            f"{what} is not a Wan diffusion model (no {WAN_MARKER}): the runtime would build a "
+            "Wan runner of 0 layers and end the process, so it is not loaded",
+            role=HIGH_NOISE,
+        )
+    main_vm = describe(main[0], False) if main is not None else None
+    if main_vm is None:
+        raise ModelLoadError(
+            f"{what}: a high-noise expert belongs beside a Wan diffusion_model (a Wan 2.2 "
+            "pair); the runtime ignores it for any other model",
+            role=HIGH_NOISE,
+        )
+    if main_vm.desc != high_vm.desc:
+        raise ModelLoadError(
+            f"{what} is {high_vm.desc}, its diffusion_model {main[1]} is {main_vm.desc}: the "
+            "two experts of a pair must be the same Wan variant",
+            role=HIGH_NOISE,
+        )
+
+
 def video_model(model: Model) -> VideoModel | None:
     """The video model `model` is (its diffusion model's or checkpoint's reading), or None for
     an image model."""
@@ -182,7 +237,10 @@ def video_model(model: Model) -> VideoModel | None:
         for f in model.files.values()
         for n in getattr(getattr(f, "header", None), "tensors", ())
     )
-    return describe(header, text)
+    found = describe(header, text)
+    if found is not None and HIGH_NOISE in model.files:
+        found = replace(found, moe=True)
+    return found
 
 
 def require_video_model(model: Model) -> VideoModel:
@@ -272,7 +330,7 @@ def generate_video(
     engine._check_usable()
     params = validate(params)
     vm = require_video_model(engine.model)
-    vm.refuse_images(params)
+    vm.check(params)
     if params.encodes and not engine.model.can_encode:
         raise InvalidParameterError(
             "init_image", f"model {engine.model.name!r} has no VAE encoder for an input image"
@@ -328,6 +386,7 @@ def generate_video(
         "kind": "video",
         "model": engine.model.name,
         "video_model": vm.desc,
+        "experts": 2 if vm.moe else 1,
         "backend": engine.capabilities.backend,
         "device": engine.capabilities.device,
         "sd_version": engine.capabilities.sd_version,
@@ -361,6 +420,19 @@ def _run(
         g.sample_params.sample_method = _enum_index(
             lib.sd_sample_method_name, params.sampler, lib.SAMPLE_METHOD_COUNT, ffi
         )
+    # Read by the runtime only with a high-noise expert loaded (refused otherwise, above).
+    high = g.high_noise_sample_params
+    high.sample_steps = params.high_noise_steps
+    high.guidance.txt_cfg = (
+        params.cfg_scale
+        if params.high_noise_cfg_scale == SAME_AS_LOW
+        else params.high_noise_cfg_scale
+    )
+    if params.high_noise_sampler != "default":
+        high.sample_method = _enum_index(
+            lib.sd_sample_method_name, params.high_noise_sampler, lib.SAMPLE_METHOD_COUNT, ffi
+        )
+    g.moe_boundary = params.moe_boundary
     if params.scheduler != "default":
         g.sample_params.scheduler = _enum_index(
             lib.sd_scheduler_name, params.scheduler, lib.SCHEDULER_COUNT, ffi
@@ -385,6 +457,9 @@ def _run(
         "steps": g.sample_params.sample_steps,
         "seed": g.seed,
         "cfg_scale": g.sample_params.guidance.txt_cfg,
+        "high_noise_steps": high.sample_steps,
+        "high_noise_cfg_scale": high.guidance.txt_cfg,
+        "moe_boundary": g.moe_boundary,
     }
     lib.sdf_progress_reset()
     done = threading.Event()

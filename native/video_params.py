@@ -11,7 +11,14 @@ What the runtime does with them (generate_video in src/stable-diffusion.cpp of m
 - width and height: it aligns them up to 16 pixels (8 for the VAE times the DiT's 2x2
   patches) with only a warning, so a job gives multiples of 16;
 - init_image and end_image: read only by some Wan variants (`sdfarm.native.video.VideoModel`),
-  ignored by the others, so they are refused where unused (`check_against`).
+  ignored by the others, so they are refused where unused (`VideoModel.check`). The end image
+  is pinned as the last frame at the frame size: one of another size is refused (`validate`)
+  rather than stretched;
+- the high-noise parameters and `moe_boundary`: read only with a Wan 2.2 pair (a model with a
+  high_noise_diffusion_model), refused for any other model (`VideoModel.check`). The runtime
+  samples `high_noise_steps` steps with the high-noise expert and then `steps` with the
+  low-noise one over one schedule of both counts; with -1 (its default) it schedules `steps`
+  and switches at the first sigma below `moe_boundary`.
 """
 
 from __future__ import annotations
@@ -48,6 +55,12 @@ MAX_VIDEO_PIXELS = 64 * 2**20
 also bounds a result (every frame a PNG, plus the animated WebP)."""
 MAX_FPS = 60
 VIDEO_IMAGES = ("init_image", "end_image")
+MOE_BOUNDARY = 0.875
+"""The runtime's default switch (sd_vid_gen_params_init); Wan2.2's own I2V pipeline uses 0.9."""
+SWITCH_AT_BOUNDARY = -1
+SAME_AS_LOW = -1.0
+MOE_PARAMS = ("high_noise_steps", "moe_boundary", "high_noise_cfg_scale", "high_noise_sampler")
+"""The parameters of a Wan 2.2 pair's high-noise expert: the runtime reads them only with one."""
 
 _SIZE = {"lo": MIN_VIDEO_SIZE, "hi": MAX_VIDEO_SIZE, "step": VIDEO_SIZE_STEP, "unit": " pixels"}
 
@@ -78,8 +91,27 @@ class VideoParams:
         "14B; a VACE model's reference image)",
     )  # fmt: skip
     end_image: bytes | None = param(
-        "image", None, "the last frame (first-last-frame models: Wan2.2 I2V 14B)"
-    )
+        "image", None, "the last frame, of the frame size (first-last-frame models: Wan2.2 I2V "
+        "14B)",
+    )  # fmt: skip
+    high_noise_steps: int = param(
+        "int", SWITCH_AT_BOUNDARY, "steps of a Wan 2.2 pair's high-noise expert, before `steps` "
+        "of the low-noise one (0: the low-noise expert only)", lo=0, hi=MAX_STEPS,
+        auto=SWITCH_AT_BOUNDARY, auto_text="switch at moe_boundary within `steps`",
+    )  # fmt: skip
+    moe_boundary: float = param(
+        "float", MOE_BOUNDARY, "the noise level (sigma) below which a Wan 2.2 pair's low-noise "
+        "expert takes over, when high_noise_steps is -1 (Wan2.2 I2V was trained with 0.9)",
+        lo=0.0, hi=1.0,
+    )  # fmt: skip
+    high_noise_cfg_scale: float = param(
+        "float", SAME_AS_LOW, "classifier-free guidance of a Wan 2.2 pair's high-noise expert",
+        lo=0.0, hi=50.0, auto=SAME_AS_LOW, auto_text="the same as cfg_scale",
+    )  # fmt: skip
+    high_noise_sampler: str = param(
+        "choice", "default", "sampling method of a Wan 2.2 pair's high-noise expert",
+        choices=("default", *SAMPLERS),
+    )  # fmt: skip
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready values: each input image by its digest."""
@@ -88,6 +120,15 @@ class VideoParams:
             value = out[name]
             out[name] = None if value is None else images.digest(value)
         return out
+
+    @property
+    def moe_given(self) -> tuple[str, ...]:
+        """The high-noise parameters set to other than their defaults (which only a Wan 2.2
+        pair reads)."""
+        return tuple(
+            p.name for p in _params_of(VideoParams) if p.name in MOE_PARAMS and
+            getattr(self, p.name) != p.default
+        )  # fmt: skip
 
     @property
     def encodes(self) -> bool:
@@ -125,6 +166,18 @@ def check_frames(frames: int) -> None:
         )
 
 
+def check_end_size(data: bytes, width: int, height: int) -> None:
+    """InvalidParameterError unless the end image is width x height: the runtime pins it as
+    the last frame, and a resize would stretch or squash it unseen."""
+    got = images.size(data)
+    if got != (width, height):
+        raise InvalidParameterError(
+            "end_image",
+            f"is {got[0]}x{got[1]}, the frames are {width}x{height}: the last frame must be "
+            "the frame size; resize the image or ask for frames of its size",
+        )
+
+
 def validate(params: VideoParams) -> VideoParams:
     """A checked copy (types converted, seed resolved), or InvalidParameterError naming the
     first bad parameter and its allowed range."""
@@ -137,6 +190,8 @@ def validate(params: VideoParams) -> VideoParams:
             f"scheduler {checked['scheduler']} needs at least {least} steps, got "
             f"{checked['steps']}: {why}; use {least} or more steps, or another scheduler",
         )
+    if checked["end_image"] is not None:
+        check_end_size(checked["end_image"], checked["width"], checked["height"])
     total = checked["frames"] * checked["width"] * checked["height"]
     if total > MAX_VIDEO_PIXELS:
         raise InvalidParameterError(

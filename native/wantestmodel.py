@@ -16,6 +16,12 @@ load, so the video tests use one of the real architecture, kept small:
   and conditions on zeros, so the prompt is ignored (the job's warnings say so).
 - `wan-vace-test`: the same DiT plus one VACE block and the VACE patch embedding: the runtime
   reads it as Wan2.1-VACE-1.3B, which takes an init image (its reference image).
+- `wan-moe-test`: a Wan 2.2-style MoE pair: the T2V DiT as the low-noise expert and another
+  of the same architecture (other weights) as the `high_noise_diffusion_model`.
+
+`I2V_14B` describes Wan2.2-I2V-14B's expert, the only variant that reads an end image, for
+bench/wan22_i2v_cost.py: the runtime builds it only at full size (40 layers of dim 5120, 14.3 B
+parameters, 8.06 GB in q4_0), so no test model of it is written for CI.
 
 Deterministic (each tensor from its own seeded generator): the same bytes on every run.
 `cached_wan_test_model()` writes it once under the runtime's cache folder, keyed by this
@@ -29,6 +35,7 @@ import json
 import os
 import zlib
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -60,49 +67,75 @@ Q4_0_BYTES = 18  # f16 scale + 16 bytes of 4-bit values
 Q4_0_SPREAD = 4.61  # standard deviation of (q - 8) for q uniform on 0..15
 
 
-def dit_specs(layers: int = LAYERS, vace_layers: int = 0) -> dict[str, tuple[tuple[int, ...], str]]:
-    """{name: (PyTorch shape, kind)} of the T2V DiT, names as in the original file (the runtime
-    prefixes `model.diffusion_model.`). kind: "linear" (q4_0), "conv" (f16), "f32".
-    `vace_layers` > 0 adds that many VACE blocks and the VACE patch embedding (a VACE model,
-    which reads a reference image; the real VACE 1.3B has 15, the runtime takes any count)."""
+@dataclass(frozen=True)
+class WanArch:
+    """The sizes of a Wan DiT as the runtime fixes them for a layer count (WanRunner in
+    src/wan.hpp): it reads only the layer count (and the patch embedding's channels, for the
+    variant) from the file, so a test DiT must have exactly these."""
+
+    desc: str
+    layers: int
+    dim: int
+    ffn_dim: int
+    in_dim: int
+
+
+T2V_1_3B = WanArch("Wan2.1-T2V-1.3B", LAYERS, DIM, FFN_DIM, IN_DIM)
+I2V_14B = WanArch("Wan2.2-I2V-14B", 40, 5120, 13824, 36)
+"""Wan2.2-I2V-A14B's DiT (each of its two experts): 40 layers of dim 5120, in_dim 36 (16 noise
++ 4 mask + 16 image-latent channels), no img_emb, so the patch embedding has 184320 channels
+and the runtime reads first and last frame without a CLIP vision encoder. 14.3 B parameters."""
+
+
+def dit_specs(
+    layers: int | None = None, vace_layers: int = 0, arch: WanArch = T2V_1_3B
+) -> dict[str, tuple[tuple[int, ...], str]]:
+    """{name: (PyTorch shape, kind)} of a Wan DiT of `arch` (default the T2V 1.3B), names as in
+    the original file (the runtime prefixes `model.diffusion_model.`). kind: "linear" (q4_0),
+    "conv" (f16), "f32". `layers` overrides the architecture's layer count (header-only fakes
+    of counts the runtime aborts on). `vace_layers` > 0 adds that many VACE blocks and the VACE
+    patch embedding (a VACE model, which reads a reference image; the real VACE 1.3B has 15,
+    the runtime takes any count)."""
     out: dict[str, tuple[tuple[int, ...], str]] = {}
+    dim = arch.dim
+    layers = arch.layers if layers is None else layers
 
     def linear(name: str, fin: int, fout: int) -> None:
         out[f"{name}.weight"] = ((fout, fin), "linear")
         out[f"{name}.bias"] = ((fout,), "f32")
 
     def block(b: str) -> None:
-        out[f"{b}.modulation"] = ((1, 6, DIM), "f32")
+        out[f"{b}.modulation"] = ((1, 6, dim), "f32")
         for attn in ("self_attn", "cross_attn"):
             for p in ("q", "k", "v", "o"):
-                linear(f"{b}.{attn}.{p}", DIM, DIM)
-            out[f"{b}.{attn}.norm_q.weight"] = ((DIM,), "f32")
-            out[f"{b}.{attn}.norm_k.weight"] = ((DIM,), "f32")
-        out[f"{b}.norm3.weight"] = ((DIM,), "f32")
-        out[f"{b}.norm3.bias"] = ((DIM,), "f32")
-        linear(f"{b}.ffn.0", DIM, FFN_DIM)
-        linear(f"{b}.ffn.2", FFN_DIM, DIM)
+                linear(f"{b}.{attn}.{p}", dim, dim)
+            out[f"{b}.{attn}.norm_q.weight"] = ((dim,), "f32")
+            out[f"{b}.{attn}.norm_k.weight"] = ((dim,), "f32")
+        out[f"{b}.norm3.weight"] = ((dim,), "f32")
+        out[f"{b}.norm3.bias"] = ((dim,), "f32")
+        linear(f"{b}.ffn.0", dim, arch.ffn_dim)
+        linear(f"{b}.ffn.2", arch.ffn_dim, dim)
 
     # The runtime's Conv3d weight is 4-D [kw, kh, kd, in*out]; GGUF holds at most 4 dims.
-    out["patch_embedding.weight"] = ((DIM * IN_DIM, *PATCH), "conv")
-    out["patch_embedding.bias"] = ((DIM,), "f32")
-    linear("text_embedding.0", TEXT_DIM, DIM)
-    linear("text_embedding.2", DIM, DIM)
-    linear("time_embedding.0", FREQ_DIM, DIM)
-    linear("time_embedding.2", DIM, DIM)
-    linear("time_projection.1", DIM, DIM * 6)
+    out["patch_embedding.weight"] = ((dim * arch.in_dim, *PATCH), "conv")
+    out["patch_embedding.bias"] = ((dim,), "f32")
+    linear("text_embedding.0", TEXT_DIM, dim)
+    linear("text_embedding.2", dim, dim)
+    linear("time_embedding.0", FREQ_DIM, dim)
+    linear("time_embedding.2", dim, dim)
+    linear("time_projection.1", dim, dim * 6)
     for i in range(layers):
         block(f"blocks.{i}")
-    out["head.modulation"] = ((1, 2, DIM), "f32")
-    linear("head.head", DIM, OUT_DIM * PATCH[0] * PATCH[1] * PATCH[2])
+    out["head.modulation"] = ((1, 2, dim), "f32")
+    linear("head.head", dim, OUT_DIM * PATCH[0] * PATCH[1] * PATCH[2])
     for i in range(vace_layers):
         block(f"vace_blocks.{i}")
         if i == 0:
-            linear(f"vace_blocks.{i}.before_proj", DIM, DIM)
-        linear(f"vace_blocks.{i}.after_proj", DIM, DIM)
+            linear(f"vace_blocks.{i}.before_proj", dim, dim)
+        linear(f"vace_blocks.{i}.after_proj", dim, dim)
     if vace_layers:
-        out["vace_patch_embedding.weight"] = ((DIM * VACE_IN_DIM, *PATCH), "conv")
-        out["vace_patch_embedding.bias"] = ((DIM,), "f32")
+        out["vace_patch_embedding.weight"] = ((dim * VACE_IN_DIM, *PATCH), "conv")
+        out["vace_patch_embedding.bias"] = ((dim,), "f32")
     return out
 
 
@@ -198,7 +231,7 @@ def _float_weight(part: str, name: str, shape: tuple[int, ...]) -> np.ndarray:
     return w
 
 
-def _q4_0_weight(name: str, shape: tuple[int, int]) -> np.ndarray:
+def _q4_0_weight(part: str, name: str, shape: tuple[int, int]) -> np.ndarray:
     """Rows of q4_0 blocks as bytes: a fixed f16 scale d with d * 4.61 = 1/sqrt(fan_in), then
     16 bytes of random 4-bit values (value = d * (q - 8))."""
     rows, cols = shape
@@ -206,39 +239,45 @@ def _q4_0_weight(name: str, shape: tuple[int, int]) -> np.ndarray:
     d = np.float16(1.0 / (np.sqrt(cols) * Q4_0_SPREAD))
     data = np.empty((blocks, Q4_0_BYTES), dtype=np.uint8)
     data[:, :2] = np.frombuffer(d.tobytes(), dtype=np.uint8)
-    data[:, 2:] = np.frombuffer(_rng("dit", name).bytes(blocks * 16), dtype=np.uint8).reshape(
+    data[:, 2:] = np.frombuffer(_rng(part, name).bytes(blocks * 16), dtype=np.uint8).reshape(
         blocks, 16
     )
     return data.reshape(rows, cols // Q4_0_BLOCK * Q4_0_BYTES)
 
 
-def _dit_tensors(layers: int, vace_layers: int = 0) -> Iterator[tuple[str, np.ndarray, object]]:
+def _dit_tensors(
+    arch: WanArch, vace_layers: int, part: str
+) -> Iterator[tuple[str, np.ndarray, object]]:
     import gguf
 
     q4_0 = gguf.GGMLQuantizationType.Q4_0
-    for name, (shape, kind) in dit_specs(layers, vace_layers).items():
+    for name, (shape, kind) in dit_specs(None, vace_layers, arch).items():
         if kind == "linear":
-            yield name, _q4_0_weight(name, shape), q4_0  # type: ignore[arg-type]
+            yield name, _q4_0_weight(part, name, shape), q4_0  # type: ignore[arg-type]
         elif kind == "conv":
-            yield name, _float_weight("dit", name, shape).astype(np.float16), None
+            yield name, _float_weight(part, name, shape).astype(np.float16), None
         else:
-            yield name, _float_weight("dit", name, shape), None
+            yield name, _float_weight(part, name, shape), None
 
 
-def write_dit(path: Path, layers: int = LAYERS, vace_layers: int = 0) -> None:
-    """The DiT as GGUF, streamed tensor by tensor (peak memory: the largest tensor)."""
+def write_dit(
+    path: Path, arch: WanArch = T2V_1_3B, vace_layers: int = 0, part: str = "dit"
+) -> None:
+    """A DiT of `arch` as GGUF, streamed tensor by tensor (peak memory: the largest tensor).
+    `part` seeds the weights: another part gives another DiT of the same architecture (the
+    high-noise expert of a pair)."""
     import gguf
 
     tmp = path.with_name(f".{path.name}.tmp")
     try:
         writer = gguf.GGUFWriter(str(tmp), arch="sdfarm-wan-test")
-        writer.add_name(f"sdfarm random-weight Wan2.1 T2V test model, seed {SEED}")
-        for name, arr, raw in _dit_tensors(layers, vace_layers):  # shapes first
+        writer.add_name(f"sdfarm random-weight {arch.desc} test model, seed {SEED}/{part}")
+        for name, arr, raw in _dit_tensors(arch, vace_layers, part):  # shapes first
             writer.add_tensor_info(name, arr.shape, arr.dtype, arr.nbytes, raw_dtype=raw)  # type: ignore[arg-type]
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
-        for _name, arr, _raw in _dit_tensors(layers, vace_layers):
+        for _name, arr, _raw in _dit_tensors(arch, vace_layers, part):
             writer.write_tensor_data(arr)
         writer.close()
         os.chmod(tmp, 0o644)
@@ -265,27 +304,68 @@ def write_vae(path: Path) -> None:
             tmp.unlink()
 
 
-VARIANTS: dict[str, int] = {NAME: 0, VACE_NAME: VACE_LAYERS}
-"""The test models: folder name -> VACE blocks (0: text-to-video)."""
+@dataclass(frozen=True)
+class DitFile:
+    """One DiT file of a test model: its architecture, VACE blocks and the part of the seed
+    its weights come from (another part: another DiT of the same architecture)."""
+
+    name: str
+    arch: WanArch = T2V_1_3B
+    vace_layers: int = 0
+    part: str = "dit"
+
+
+HIGH_NOISE_FILE = "dit-high-noise.gguf"
+MOE_NAME = "wan-moe-test"
+VARIANTS: dict[str, dict[str, DitFile]] = {
+    NAME: {"diffusion_model": DitFile(DIT_FILE)},
+    VACE_NAME: {"diffusion_model": DitFile(DIT_FILE, vace_layers=VACE_LAYERS)},
+    MOE_NAME: {
+        "diffusion_model": DitFile(DIT_FILE),
+        "high_noise_diffusion_model": DitFile(HIGH_NOISE_FILE, part="dit-high-noise"),
+    },
+}
+"""The test models: folder name -> {role: DiT file}; each has the Wan 2.1 VAE beside. The MoE
+one is a Wan 2.2-style pair (the T2V DiT as the low-noise expert, another of the same
+architecture as the high-noise one): the runtime samples any pair of one variant alike, and two
+1.3B DiTs keep it at 1.6 GB where a real A14B pair of 40-layer DiTs is 16 GB in q4_0."""
+
+
+def _link_sibling(path: Path, out_dir: Path, name: str, spec: DitFile | None) -> bool:
+    """Hard-link `path` from a sibling variant's folder holding the same file (the VAE when
+    `spec` is None, else a DiT of the same spec); False when none does."""
+    for other, files in VARIANTS.items():
+        if other == name:
+            continue
+        if spec is None:
+            found: Path | None = out_dir / other / VAE_FILE
+        else:
+            same = [f for f in files.values() if f == spec]
+            found = out_dir / other / same[0].name if same else None
+        if found is not None and found.exists():
+            with contextlib.suppress(OSError):  # another filesystem: written instead
+                os.link(found, path)
+                return True
+    return False
 
 
 def make_wan_test_model(out_dir: str | os.PathLike[str], name: str = NAME) -> Path:
-    """Write `out_dir/NAME/` (dit.gguf, vae.safetensors, model.json) for a name of VARIANTS
-    and return it. The VAE is the same file for every variant: hard-linked from a sibling
-    variant's folder when one has it."""
-    folder = Path(out_dir) / name
+    """Write `out_dir/NAME/` (its DiTs, vae.safetensors, model.json) for a name of VARIANTS
+    and return it. A file a sibling variant's folder already holds (the VAE, the T2V DiT) is
+    hard-linked from it."""
+    root = Path(out_dir)
+    folder = root / name
     folder.mkdir(parents=True, exist_ok=True)
-    write_dit(folder / DIT_FILE, LAYERS, VARIANTS[name])
+    files = VARIANTS[name]
+    for spec in files.values():
+        path = folder / spec.name
+        if not path.exists() and not _link_sibling(path, root, name, spec):
+            write_dit(path, spec.arch, spec.vace_layers, spec.part)
     vae = folder / VAE_FILE
-    siblings = [Path(out_dir) / n / VAE_FILE for n in VARIANTS if n != name]
-    for sibling in siblings:
-        if sibling.exists() and not vae.exists():
-            with contextlib.suppress(OSError):  # another filesystem: written below
-                os.link(sibling, vae)
-    if not vae.exists():
+    if not vae.exists() and not _link_sibling(vae, root, name, None):
         write_vae(vae)
     manifest = {
-        "files": {"diffusion_model": DIT_FILE, "vae": VAE_FILE},
+        "files": {**{role: spec.name for role, spec in files.items()}, "vae": VAE_FILE},
         "native_size": list(NATIVE_SIZE),
     }
     (folder / "model.json").write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
@@ -300,8 +380,9 @@ def cache_dir() -> Path:
 
 def cached_wan_test_model(name: str = NAME) -> Path:
     """Test model `name`'s folder under the runtime's cache, written on first use (about
-    1 GB for the first, 0.8 GB more for the VACE one, which shares the VAE; a second writer
-    racing the first replaces whole files, never half ones)."""
+    1 GB for the first, 0.8 GB more for the VACE one and for the MoE pair's high-noise DiT,
+    the rest hard-linked; a second writer racing the first replaces whole files, never half
+    ones)."""
     root = cache_dir()
     folder = root / name
     done = root / f".complete-{name}"

@@ -207,7 +207,7 @@ class JobRun:
             video_params.from_mapping(video_params.attach(spec.params, inputs))
         )
         model = self.ctx.catalog.load(spec.model)
-        require_video_model(model).refuse_images(params)
+        require_video_model(model).check(params)
         facts = model_facts(model, self.ctx.config.device)
         need = claimed.estimate or facts.video_estimate(
             params.width, params.height, params.frames, params.encodes

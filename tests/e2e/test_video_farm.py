@@ -4,7 +4,9 @@ video estimate; the same seed through the gateway gives the same frames; bad inp
 model asked for video, a video model for an image) is refused at submit, and a job that
 slips past the client is refused by the worker before any native
 call, the worker going on; a Wan model the runtime would abort on is reported bad and never
-loaded. `sdfarm video` reaches the same farm."""
+loaded. `sdfarm video` reaches the same farm. A Wan 2.2 MoE pair's high-noise parameters
+reach its engine through the client, the gateway and the CLI alike, and are refused by the
+worker for a model without a pair."""
 
 from __future__ import annotations
 
@@ -36,12 +38,13 @@ from helpers.videomodels import fake_wan
 pytestmark = pytest.mark.e2e
 
 WAN = "wan-t2v-test"
+MOE = "wan-moe-test"
 SMALL = {"width": 32, "height": 32, "frames": 5, "steps": 1, "cfg_scale": 1.0}
 
 
 @pytest.fixture(scope="module")
 def farm(
-    models_dir: Path, wan_model: Path, tmp_path_factory: pytest.TempPathFactory
+    models_dir: Path, wan_model: Path, moe_model: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Any]:
     from sdfarm.localfarm.farm import LocalFarm
 
@@ -65,9 +68,9 @@ def client(farm: Any) -> Iterator[Farm]:
         yield f
 
 
-def png(color: tuple[int, int, int] = (10, 200, 30)) -> bytes:
+def png(color: tuple[int, int, int] = (10, 200, 30), size: tuple[int, int] = (32, 32)) -> bytes:
     buf = io.BytesIO()
-    Image.new("RGB", (32, 32), color).save(buf, "PNG")
+    Image.new("RGB", size, color).save(buf, "PNG")
     return buf.getvalue()
 
 
@@ -117,6 +120,18 @@ def test_bad_input_is_refused_at_submit(client: Farm) -> None:
         "frames": {"frames": 4},
         "width": {"width": 40},
         "init_image": {"init_image": b"not an image"},
+        "end_image": {"end_image": b"not an image"},
+    }.items():
+        with pytest.raises(InvalidParameterError) as err:
+            client.video(WAN, "x", **{**SMALL, **change})
+        assert err.value.parameter == name
+    # an end image of another size than the frames: the runtime would stretch the last frame
+    with pytest.raises(InvalidParameterError, match="is 48x32, the frames are 32x32") as err:
+        client.video(MOE, "x", **SMALL, end_image=png(size=(48, 32)))
+    assert err.value.parameter == "end_image"
+    for name, change in {
+        "high_noise_steps": {"high_noise_steps": -3},
+        "moe_boundary": {"moe_boundary": 2.0},
     }.items():
         with pytest.raises(InvalidParameterError) as err:
             client.video(WAN, "x", **{**SMALL, **change})
@@ -140,11 +155,30 @@ def test_a_job_past_the_client_is_refused_by_the_worker_which_survives(client: F
     with_init, inputs = video_params.detach(
         video_params.validate(video_params.VideoParams("x", **SMALL, init_image=png()))
     )
+    with_end, end_inputs = video_params.detach(
+        video_params.validate(video_params.VideoParams("x", **SMALL, end_image=png()))
+    )
+    # unvalidated, as a client that skipped the checks would send them
+    wide_end, wide_inputs = video_params.detach(
+        video_params.VideoParams("x", **SMALL, seed=1, end_image=png(size=(48, 32)))
+    )
+    bad_end, bad_inputs = video_params.detach(
+        video_params.VideoParams("x", **SMALL, seed=1, end_image=b"not an image")
+    )
     cases: list[tuple[str, dict[str, Any], dict[str, bytes], str]] = [
         (WAN, {**good, "frames": 4}, {}, "invalid frames"),
         (WAN, {**good, "frames": 165}, {}, "invalid frames"),
         (WAN, {**good, "width": 40}, {}, "invalid width"),
         (WAN, with_init, inputs, "invalid init_image: Wan2.1-T2V-1.3B takes no init_image"),
+        (WAN, with_end, end_inputs, "invalid end_image: Wan2.1-T2V-1.3B takes no end_image"),
+        (
+            WAN,
+            {**good, "high_noise_steps": 1},
+            {},
+            "invalid high_noise_steps: Wan2.1-T2V-1.3B without a high-noise expert",
+        ),
+        (MOE, wide_end, wide_inputs, "invalid end_image: is 48x32, the frames are 32x32"),
+        (MOE, bad_end, bad_inputs, "invalid end_image"),
         ("tiny-f16", good, {}, "invalid model: 'tiny-f16' is not a video model"),
     ]
     for model, params, images, error in cases:
@@ -183,3 +217,49 @@ def test_the_cli_makes_a_video_on_the_farm(farm: Any, tmp_path: Path) -> None:
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert bad.returncode != 0 and "frames" in bad.stderr and not (tmp_path / "no").exists()
+
+
+def test_a_moe_pair_s_switch_reaches_its_engine_through_every_door(
+    client: Farm, farm: Any, tmp_path: Path
+) -> None:
+    switch = {"prompt": "a cat", "seed": 4, **SMALL, "high_noise_steps": 1}
+    job = client.video(MOE, **switch)
+    result = job.result(300)
+    assert result.metadata["experts"] == 2 and result.metadata["high_noise_steps"] == 1
+    record = client.store.record(job.id)
+    hb = next(iter(client._heartbeats(fresh=True).values()))
+    facts = ModelFacts.from_json(hb["models"][MOE])
+    single = ModelFacts.from_json(hb["models"][WAN]) if WAN in hb["models"] else None
+    assert int(record["estimate"]) == facts.video_estimate(32, 32, 5)  # both experts counted
+    if single is not None:
+        assert facts.bytes > single.bytes + 700 * 2**20  # the high-noise DiT's 0.8 GB
+    # the low-noise expert alone: other frames from the same seed and step count
+    low = client.video(MOE, **{**switch, "high_noise_steps": 0, "steps": 2}).result(300)
+    assert low.frames != result.frames
+    with served_gateway(farm.url, ["tok"], 60) as base:
+        auth = {"Authorization": "Bearer tok"}
+        r = httpx.post(f"{base}/v1/videos", json={"model": MOE, **switch}, headers=auth,
+                       timeout=30)  # fmt: skip
+        assert r.status_code == 202, r.text
+        job_id = r.json()["id"]
+        doc: dict[str, Any] = {}
+        deadline = time.monotonic() + 300
+        while doc.get("state") not in ("done", "failed") and time.monotonic() < deadline:
+            time.sleep(0.5)
+            doc = httpx.get(f"{base}/v1/jobs/{job_id}", headers=auth, timeout=30).json()
+        assert doc["state"] == "done", doc
+        frames = [httpx.get(base + u, headers=auth, timeout=30).content for u in doc["image_urls"]]
+        assert frames == result.frames
+        r = httpx.post(f"{base}/v1/videos", json={"model": MOE, **switch, "moe_boundary": 3},
+                       headers=auth, timeout=30)  # fmt: skip
+        assert r.status_code == 400 and r.json()["error"]["param"] == "moe_boundary", r.text
+    out = tmp_path / "moe"
+    done = subprocess.run(
+        [sys.executable, "-m", "sdfarm.cli.main", "video", MOE, "a cat", "--frames", "5",
+         "--width", "32", "--height", "32", "--steps", "1", "--seed", "4", "--cfg-scale", "1",
+         "--high-noise-steps", "1", "--redis", farm.url, "--out", str(out), "--json"],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    pixels = [Image.open(p).tobytes() for p in sorted(out.glob("frame-*.png"))]
+    assert pixels == [Image.open(io.BytesIO(f)).tobytes() for f in result.frames]

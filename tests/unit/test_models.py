@@ -645,6 +645,7 @@ def test_role_params_cover_every_role() -> None:
     assert set(ROLE_PARAMS) == {
         "checkpoint",
         "diffusion_model",
+        "high_noise_diffusion_model",
         "clip_l",
         "clip_g",
         "t5xxl",

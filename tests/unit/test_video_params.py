@@ -7,6 +7,7 @@ client's view of a video result."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -17,7 +18,7 @@ from sdfarm.native import video_params
 from sdfarm.native.errors import InvalidParameterError, ModelLoadError
 from sdfarm.native.estimate import ModelFacts, job_estimate
 from sdfarm.native.headers import FileHeader, TensorInfo
-from sdfarm.native.video import CLIP_VISION_NEEDED, check_header, describe
+from sdfarm.native.video import CLIP_VISION_NEEDED, check_header, check_pair, describe
 from sdfarm.native.video_params import MAX_FRAMES, VideoParams, check_frames, validate
 from sdfarm.native.wantestmodel import dit_specs, vae_specs
 from sdfarm.scheduler.dispatch import _pending_job, _video_frames
@@ -144,14 +145,65 @@ def test_input_images_are_refused_where_the_variant_does_not_read_them() -> None
         i2v.refuse_images(ok(init_image=png))
 
 
-def _png() -> bytes:
+def _png(size: tuple[int, int] = (64, 64)) -> bytes:
+    """A PNG of the frame size of `ok()` (an end image must be the frame size)."""
     from io import BytesIO
 
     from PIL import Image
 
     buf = BytesIO()
-    Image.new("RGB", (16, 16), (9, 9, 9)).save(buf, "PNG")
+    Image.new("RGB", size, (9, 9, 9)).save(buf, "PNG")
     return buf.getvalue()
+
+
+def test_an_end_image_must_be_the_frame_size() -> None:
+    assert ok(end_image=_png()).end_image is not None
+    err = refused(end_image=_png((64, 48)))
+    assert err.parameter == "end_image"
+    assert "is 64x48, the frames are 64x64" in str(err) and "last frame" in str(err)
+    assert ok(init_image=_png((64, 48))).init_image is not None  # resized, as before
+
+
+def test_the_high_noise_parameters_are_checked_and_need_a_pair() -> None:
+    assert ok().moe_given == ()
+    given = ok(high_noise_steps=2, moe_boundary=0.9, high_noise_cfg_scale=3.0)
+    assert given.moe_given == ("high_noise_steps", "moe_boundary", "high_noise_cfg_scale")
+    assert ok(high_noise_steps=0).moe_given == ("high_noise_steps",)  # low-noise expert only
+    assert ok(high_noise_cfg_scale=-1).high_noise_cfg_scale == -1.0  # the same as cfg_scale
+    for bad in (
+        {"high_noise_steps": -2},
+        {"moe_boundary": 1.5},
+        {"moe_boundary": float("nan")},
+        {"high_noise_cfg_scale": -0.5},
+        {"high_noise_sampler": "nope"},
+    ):
+        assert refused(**bad).parameter == next(iter(bad))
+    t2v = describe(header(dit()), text_encoder=False)
+    assert t2v is not None and not t2v.moe
+    t2v.check(ok())
+    with pytest.raises(InvalidParameterError, match="without a high-noise expert") as err:
+        t2v.check(ok(moe_boundary=0.9))
+    assert err.value.parameter == "moe_boundary"
+    replace(t2v, moe=True).check(given)
+
+
+def test_a_high_noise_expert_is_checked_against_its_pair() -> None:
+    low, high = header(dit()), header(dit())
+    check_pair({"diffusion_model": (low, "a"), "high_noise_diffusion_model": (high, "b")}, "m")
+    check_pair({"diffusion_model": (low, "a")}, "m")  # no pair: nothing to check
+    flux = header({"double_blocks.0.img_attn.qkv.weight": (384, 128)})
+    vace = header(dit(**{"vace_blocks.0.after_proj.weight": (1536, 1536)}))
+    for main, other, match in (
+        (low, flux, "not a Wan diffusion model"),
+        (flux, high, "beside a Wan diffusion_model"),
+        (low, vace, "same Wan variant"),
+    ):
+        with pytest.raises(ModelLoadError, match=match) as err:
+            check_pair(
+                {"diffusion_model": (main, "a.gguf"), "high_noise_diffusion_model": (other, "b")},
+                "pair",
+            )
+        assert err.value.role == "high_noise_diffusion_model" and "model pair" in str(err.value)
 
 
 def test_the_test_model_has_the_real_architecture_s_sizes() -> None:
