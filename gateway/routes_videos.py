@@ -83,8 +83,8 @@ async def video_reader(
     if verdict == "expired":
         raise APIError(
             403,
-            f"this signed URL of job {job_id}'s video expired at {exp}; GET /v1/videos/{job_id} "
-            "for a fresh one",
+            f"this signed URL of job {job_id}'s video expired at {exp} (Unix time); GET "
+            f"v1/videos/{job_id} with the token for a fresh one",
             type="authentication_error",
             code="url_expired",
         )
