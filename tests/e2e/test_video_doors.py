@@ -207,3 +207,27 @@ def test_video_lines_of_a_batch_file_render_and_resume(farm: Any, tmp_path: Path
     assert refused.returncode == 2
     assert "line 2" in refused.stderr and "invalid frames: 6 is not 4k+1" in refused.stderr
     assert job_count(farm) == jobs and not (tmp_path / "bad-out" / "ok.webp").exists()
+
+
+def test_sdfarm_video_writes_an_mp4_when_asked(farm: Any, tmp_path: Path) -> None:
+    out = tmp_path / "clip"
+    done = subprocess.run(
+        [sys.executable, "-m", "sdfarm.cli.main", "video", WAN, "a cat", "--frames", "5",
+         "--width", "32", "--height", "32", "--steps", "1", "--seed", "9", "--cfg-scale", "1",
+         "--format", "mp4", "--redis", farm.url, "--out", str(out), "--json"],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    doc = json.loads(done.stdout)
+    assert doc["format"] == "mp4" and doc["video"] == str(out / "video.mp4") == doc["mp4"]
+    assert sorted(p.name for p in out.iterdir()) == [
+        *(f"frame-{i:04d}.png" for i in range(5)),
+        "video.mp4",
+    ]
+    assert len(decode_mp4((out / "video.mp4").read_bytes())[1]) == 5
+    bad = subprocess.run(
+        [sys.executable, "-m", "sdfarm.cli.main", "video", WAN, "x", "--frames", "5",
+         "--format", "avi", "--redis", farm.url, "--out", str(tmp_path / "no")],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert bad.returncode != 0 and "format" in bad.stderr and not (tmp_path / "no").exists()
