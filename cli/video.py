@@ -84,7 +84,9 @@ def _in_process(args: argparse.Namespace, params: Any) -> dict[str, Any]:
     from sdfarm.native.catalog import resolve
     from sdfarm.native.engine import Engine, LogConfig
     from sdfarm.native.png import png_bytes
+    from sdfarm.native.videofile import check_format
 
+    check_format(params.format)  # this process encodes it: before the model loads
     log = LogConfig(level=args.log_level or "none")
     t0 = time.monotonic()
     with Engine.load(

@@ -5,7 +5,7 @@ init_image, end_image, ...). Other lines are image jobs (`kind` empty or `genera
 
 Why a video line is checked whole when the file is read, not when it is queued as an image
 line's ranges are: a video costs minutes of a device, and a typo in line 900 (frames 16, not
-4k+1; format mp4 without the `video` extra; an end_image that is not there) should stop the
+4k+1; format gif; an end_image that is not there) should stop the
 batch before line 1 is rendered, with the line and the field named. Image paths are relative
 to the batch file's folder, as an image line's, and must name a file when the line is read;
 the image itself is read and decoded when the line is queued. Pure but for that file check:
@@ -20,7 +20,6 @@ from typing import Any
 from sdfarm.native.errors import InvalidParameterError
 from sdfarm.native.params import Param
 from sdfarm.native.video_params import VIDEO_PARAMS, check_frames
-from sdfarm.native.videofile import check_format
 
 KINDS = ("generate", "video")
 """The job kinds a batch line may ask for; `generate` (an image) when left out."""
@@ -49,8 +48,9 @@ def line_kind(value: Any) -> str:
 
 def check_line(params: dict[str, Any]) -> None:
     """A video line's own fields (converted to their types, images still paths) checked
-    against the video schema as a job would be: ranges, 4k+1 frames, a format this client can
-    encode. LineError naming the field; the seed's -1 stays -1 (a random seed per job)."""
+    against the video schema as a job would be: ranges, 4k+1 frames, a known format (whether
+    the workers can encode it is asked at submit). LineError naming the field; the seed's -1
+    stays -1 (a random seed per job)."""
     for name, value in params.items():
         p = VIDEO_FIELDS[name]
         if p.kind in ("image", "images"):
@@ -59,8 +59,6 @@ def check_line(params: dict[str, Any]) -> None:
             p.check(value)
             if name == "frames":
                 check_frames(value)
-            elif name == "format":
-                check_format(value)
         except InvalidParameterError as exc:
             raise LineError(str(exc), name) from None
 

@@ -277,6 +277,7 @@ def generate_video(
     GenerationError quoting the runtime's errors when it returns no frames."""
     engine._check_usable()
     params = validate(params)
+    videofile.check_format(params.format)  # mp4 without its library here: before the call
     vm = require_video_model(engine.model)
     vm.refuse_images(params)
     if params.encodes and not engine.model.can_encode:

@@ -38,7 +38,7 @@ from sdfarm.native.params import (
     param,
     read_image,
 )
-from sdfarm.native.videofile import VIDEO_FORMATS, check_format
+from sdfarm.native.videofile import VIDEO_FORMATS
 
 VIDEO_SIZE_STEP = 16
 MIN_VIDEO_SIZE, MAX_VIDEO_SIZE = 32, 2048
@@ -135,7 +135,6 @@ def validate(params: VideoParams) -> VideoParams:
     first bad parameter and its allowed range."""
     checked = {p.name: p.check(getattr(params, p.name)) for p in VIDEO_PARAMS}
     check_frames(checked["frames"])
-    check_format(checked["format"])  # mp4 needs the `video` extra: refused before any queue
     least, why = MIN_STEPS.get(checked["scheduler"], (1, ""))
     if checked["steps"] < least:  # the same schedules as an image's (gits: SIGSEGV at 1)
         raise InvalidParameterError(

@@ -4,9 +4,13 @@ whose wheel ships an ffmpeg binary).
 
 Why an extra and not a dependency: the imageio-ffmpeg 0.8.1 wheel is 68 MB and installs to
 165 MiB (its ffmpeg binary), measured with `pip install --target DIR imageio-ffmpeg` (3.5 s
-here); a farm that only makes images should not carry it. So a job asking for mp4 is refused
-before anything is queued when the library is absent (`check_format`), naming the extra, and
-the worker checks again before any native call (a worker installed without it).
+here); a farm that only makes images should not carry it.
+
+The worker encodes, so what matters is the workers' library, not the submitter's: each
+worker's heartbeat lists the formats it can encode (`encodable_formats`), and `Farm.video`
+refuses mp4 at submit, naming the extra, when a live worker that has the model cannot
+(`check_workers`; the job could land there). In one process (`sdfarm video --in-process`, and
+the engine itself before its native call) the check is the local one (`check_format`).
 
 The format is per job (`VideoParams.format`); every door (`sdfarm video --format`, a batch
 line's `format`, `POST /v1/videos`'s `format`) reaches `check_format`.
@@ -17,7 +21,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from PIL import Image
@@ -56,6 +60,27 @@ def check_format(fmt: str, available: Callable[[], bool] = mp4_available) -> str
             f"ships ffmpeg): pip install 'sdfarm[{MP4_EXTRA}]', or ask for format webp",
         )
     return fmt
+
+
+def encodable_formats(available: Callable[[], bool] = mp4_available) -> list[str]:
+    """The formats this process can encode: what a worker's heartbeat lists (`video_formats`)."""
+    return [f for f in VIDEO_FORMATS if f != "mp4" or available()]
+
+
+def check_workers(fmt: str, workers: Mapping[str, Sequence[str] | None]) -> None:
+    """InvalidParameterError naming `format` when a worker that may get a job of format `fmt`
+    cannot encode it. `workers`: each live worker that has the job's model -> the formats its
+    heartbeat lists (None from a worker older than that list: webp only)."""
+    lacking = sorted(w for w, formats in workers.items() if fmt not in (formats or ["webp"]))
+    if lacking:
+        more = f" and {len(lacking) - 5} more" if len(lacking) > 5 else ""
+        shown = ", ".join(lacking[:5]) + more
+        raise InvalidParameterError(
+            "format",
+            f"{fmt} needs the optional extra {MP4_EXTRA!r} (the {MP4_LIBRARY} package) on every "
+            f"worker that has the model, and {shown} lack it: pip install 'sdfarm[{MP4_EXTRA}]' "
+            "there, or ask for format webp",
+        )
 
 
 def format_of(data: bytes) -> str | None:

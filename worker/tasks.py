@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import asdict, fields
 from typing import Any
 
-from sdfarm.native import enginekey, images, logs, upscale_params, video_params
+from sdfarm.native import enginekey, images, logs, upscale_params, video_params, videofile
 from sdfarm.native.controlnets import CONTROL_HEADS
 from sdfarm.native.engine import LogConfig, ModelWith, check_extras, extras_bytes
 from sdfarm.native.errors import EngineError, InvalidParameterError, ModelTooLargeError
@@ -203,6 +203,7 @@ class JobRun:
         params = video_params.validate(
             video_params.from_mapping(video_params.attach(spec.params, inputs))
         )
+        videofile.check_format(params.format)  # mp4 without the extra here: before any load
         model = self.ctx.catalog.load(spec.model)
         require_video_model(model).refuse_images(params)
         facts = model_facts(model, self.ctx.config.device)

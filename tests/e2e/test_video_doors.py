@@ -77,6 +77,8 @@ def mean_abs_diff(a: bytes, b: bytes) -> float:
 
 
 def test_an_mp4_job_decodes_to_its_frames_and_depends_on_the_seed(client: Farm) -> None:
+    hb = next(iter(client._heartbeats(fresh=True).values()))
+    assert hb["video_formats"] == ["webp", "mp4"]  # what Farm.video checked mp4 against
     result = client.video(WAN, "a cat", seed=5, fps=8, format="mp4", **SMALL).result(300)
     assert result.video_format == "mp4" and result.webp is None and result.mp4 is not None
     meta, decoded = decode_mp4(result.mp4)

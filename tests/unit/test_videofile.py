@@ -1,7 +1,8 @@
 """A video job's file (sdfarm.native.videofile) and how the gateway signs its URL
-(sdfarm.gateway.auth): mp4 refused with the extra's name when its library is absent (the probe
-injected), the MP4 decodes to the frames asked for and depends on them, the formats told
-apart by their bytes, and a video URL's signature good, tampered and expired."""
+(sdfarm.gateway.auth): mp4 refused with the extra's name when its library is absent here (the
+probe injected) or on a worker that has the model (its heartbeat's list); the MP4 decodes to
+the frames asked for and depends on them; the formats told apart by their bytes; a video URL's
+signature good, tampered and expired."""
 
 from __future__ import annotations
 
@@ -15,7 +16,14 @@ from sdfarm.client.job import Result
 from sdfarm.gateway.auth import Gate
 from sdfarm.native.errors import InvalidParameterError
 from sdfarm.native.video_params import VideoParams, validate
-from sdfarm.native.videofile import check_format, format_of, mp4, mp4_available
+from sdfarm.native.videofile import (
+    check_format,
+    check_workers,
+    encodable_formats,
+    format_of,
+    mp4,
+    mp4_available,
+)
 
 JOB = "0123456789abcdef0123456789abcdef"
 
@@ -47,6 +55,22 @@ def test_mp4_without_its_library_is_refused_naming_the_extra() -> None:
     assert check_format("mp4", available=lambda: True) == "mp4"
     with pytest.raises(InvalidParameterError, match="'gif'; choose one of webp, mp4"):
         check_format("gif")
+
+
+def test_a_worker_lists_what_it_encodes_and_a_submit_needs_every_worker_with_the_model() -> None:
+    assert encodable_formats(available=lambda: False) == ["webp"]
+    assert encodable_formats(available=lambda: True) == ["webp", "mp4"]
+    check_workers("mp4", {"a/CPU": ["webp", "mp4"], "b/Vulkan0": ["webp", "mp4"]})
+    check_workers("webp", {"old/CPU": None})  # a worker from before the list: webp only
+    with pytest.raises(InvalidParameterError) as err:
+        check_workers("mp4", {"a/CPU": ["webp", "mp4"], "b/Vulkan0": ["webp"], "old/CPU": None})
+    assert err.value.parameter == "format"
+    message = str(err.value)
+    assert "b/Vulkan0, old/CPU lack it" in message and "a/CPU" not in message
+    assert "pip install 'sdfarm[video]'" in message
+    many = {f"h{i}/CPU": ["webp"] for i in range(8)}
+    with pytest.raises(InvalidParameterError, match="h4/CPU and 3 more lack it"):
+        check_workers("mp4", many)
 
 
 def test_the_video_schema_checks_the_format_like_every_parameter() -> None:
