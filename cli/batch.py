@@ -122,6 +122,7 @@ def cmd_batch(args: argparse.Namespace) -> int:
                     in_flight=in_flight,
                     on_progress=on_progress,
                     total=scan.total,
+                    frames=args.save_frames,
                 )
     except KeyboardInterrupt:
         _err("interrupted: finished images are kept; run the same command again to resume")

@@ -278,6 +278,11 @@ def add_farm_commands(sub: Any) -> None:
         "--in-flight", type=int, default=8, help="jobs queued on the farm at once (1 or more)"
     )
     b.add_argument("--threads", type=int, default=None, help="for a local farm started here")
+    b.add_argument(
+        "--save-frames",
+        action="store_true",
+        help="also write each video line's frames, as OUT/NAME/frame-0000.png, ...",
+    )
     b.add_argument("--quiet", action="store_true", help="no progress bar")
     _redis_arg(b)
     b.add_argument("--json", action="store_true")

@@ -1,6 +1,7 @@
-"""`sdfarm video MODEL PROMPT --frames N --out DIR`: one video (frames as PNGs and an animated
-WebP), in this process (`--in-process`) or as a job on the farm (a private local farm when none
-runs), like `generate` and `upscale`. The flags come from the video job's schema
+"""`sdfarm video MODEL PROMPT --frames N --out DIR`: one video (frames as PNGs and the video
+file: an animated WebP, or an MP4 with `--format mp4` and the `video` extra), in this process
+(`--in-process`) or as a job on the farm (a private local farm when none runs), like
+`generate` and `upscale`. The flags come from the video job's schema
 (sdfarm.native.video_params); with --json, stdout carries exactly one JSON document."""
 
 from __future__ import annotations
@@ -23,7 +24,9 @@ def add_video_command(sub: Any) -> None:
     for param in VIDEO_PARAMS:
         if param.name != "prompt":
             _add(p, param, None)
-    p.add_argument("--out", default="video", help="the folder for the frames and video.webp")
+    p.add_argument(
+        "--out", default="video", help="the folder for the frames and video.webp (or .mp4)"
+    )
     p.add_argument(
         "--models", action="append", default=[], help="a directory of models (also $SDFARM_MODELS)"
     )
@@ -57,7 +60,7 @@ def cmd_video(args: argparse.Namespace) -> int:
 
     def summary(doc: dict[str, Any]) -> str:
         return (
-            f"{doc['webp']}: {doc['frames']} frames of {doc['width']}x{doc['height']} "
+            f"{doc['video']}: {doc['frames']} frames of {doc['width']}x{doc['height']} "
             f"({doc['model']}), {doc['timings'].get('generate_s', '?')} s on "
             f"{doc.get('device', '?')}"
         )
@@ -65,14 +68,15 @@ def cmd_video(args: argparse.Namespace) -> int:
     return run_one_job(args, checked, _in_process, _on_farm, summary)
 
 
-def _written(folder: Path, frames: list[bytes], webp: bytes) -> dict[str, Any]:
+def _written(folder: Path, frames: list[bytes], video: bytes, fmt: str) -> dict[str, Any]:
     folder.mkdir(parents=True, exist_ok=True)
     paths = []
     for i, png in enumerate(frames):
         (target := folder / f"frame-{i:04d}.png").write_bytes(png)
         paths.append(str(target))
-    (folder / "video.webp").write_bytes(webp)
-    return {"frame_files": paths, "webp": str(folder / "video.webp")}
+    (target := folder / f"video.{fmt}").write_bytes(video)
+    files = {"frame_files": paths, "video": str(target)}
+    return {**files, fmt: str(target)}  # `webp` (or `mp4`) too, as before the choice
 
 
 def _in_process(args: argparse.Namespace, params: Any) -> dict[str, Any]:
@@ -80,7 +84,9 @@ def _in_process(args: argparse.Namespace, params: Any) -> dict[str, Any]:
     from sdfarm.native.catalog import resolve
     from sdfarm.native.engine import Engine, LogConfig
     from sdfarm.native.png import png_bytes
+    from sdfarm.native.videofile import check_format
 
+    check_format(params.format)  # this process encodes it: before the model loads
     log = LogConfig(level=args.log_level or "none")
     t0 = time.monotonic()
     with Engine.load(
@@ -95,7 +101,7 @@ def _in_process(args: argparse.Namespace, params: Any) -> dict[str, Any]:
         records = engine.drain_load_records() + result.records
     meta = result.metadata
     pngs = [png_bytes(f, {**meta, "frame": i}) for i, f in enumerate(result.frames)]
-    files = _written(Path(args.out), pngs, result.webp)
+    files = _written(Path(args.out), pngs, result.video, params.format)
     meta["timings"] = {**meta["timings"], "load_s": round(load_s, 4)}
     for r in records:
         print(f"[{r.level}] {r.message}", file=sys.stderr)
@@ -114,7 +120,7 @@ def _on_farm(args: argparse.Namespace, params: Any) -> dict[str, Any]:
     with farm_url(args.redis, _models_dirs(args.models), args.threads) as url:
         job = _connect(url).video(args.model, params.prompt, **fields, **options)
         result = job.result(args.timeout)
-    assert result.webp is not None
-    files = _written(Path(args.out), result.frames, result.webp)
+    assert result.video is not None and result.video_format is not None
+    files = _written(Path(args.out), result.frames, result.video, result.video_format)
     return {**files, "job": job.id, "redis_url": url, **result.metadata,
             "records": list(result.records or [])}  # fmt: skip

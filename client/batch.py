@@ -9,7 +9,8 @@ first, then the PNG renamed into place), so its existence is the resume test.
 
 Parsing and the resume decision are pure functions; `run_batch` talks to the farm through a
 client object with `submit(model, prompt, **params, **options)` returning jobs with `.id`,
-`.state()`, `.wait(timeout)`, `.result(timeout)` and `.cancel()` (a `Farm`'s `Job`).
+`.state()`, `.wait(timeout)`, `.result(timeout)` and `.cancel()` (a `Farm`'s `Job`), and, for
+video lines, `video(model, prompt, **params, **options)` likewise.
 
 What ends an item and what ends the batch: an item fails only for its own reason (its
 parameters are invalid, its model is unknown, its job failed or was cancelled), with the error
@@ -34,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from sdfarm.client.batch_input import BatchItem
-from sdfarm.client.batch_output import is_done, write_file, write_result
+from sdfarm.client.batch_output import is_done, output_name, write_file, write_result
 from sdfarm.client.errors import (
     FarmBusyError,
     FarmError,
@@ -180,6 +181,7 @@ def run_batch(
     sleep: Callable[[float], None] = time.sleep,
     clock: Callable[[], float] = time.monotonic,
     total: int | None = None,
+    frames: bool = False,
 ) -> Summary:
     """Render the items not yet in `out_dir`, keeping at most `in_flight` jobs queued on the
     farm (late binding keeps the rest off the devices anyway; the bound keeps a huge batch
@@ -203,7 +205,11 @@ def run_batch(
     `items` may be any iterable, a generator over a file included (`iter_items`): it is read
     one item ahead of the submissions, so the client holds the `in_flight` window, never the
     input. `total` (the items a scan counted) makes the summary's counts whole should the
-    batch stop early; without it, a sized `items` gives it, else the items read so far."""
+    batch stop early; without it, a sized `items` gives it, else the items read so far.
+
+    A video line (`item.kind` video) is `farm.video(model, prompt, **params, **options)`; its
+    video file is written where an image's PNG would be, its frames beside it when
+    `frames` (sdfarm.client.batch_output)."""
     if isinstance(in_flight, bool) or not isinstance(in_flight, int) or in_flight < 1:
         raise ValueError(f"in_flight must be an integer of at least 1, got {in_flight!r}")
     opts = batch_options(options)
@@ -237,7 +243,7 @@ def run_batch(
         if kind == "output":
             reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
             code = errno.errorcode.get(exc.errno or 0) if isinstance(exc, OSError) else None
-            what = f" {item.name}.png" if item is not None else ""
+            what = f" {output_name(item)}" if item is not None else ""
             why = f"cannot write{what} into {out}: {reason}" + (f" ({code})" if code else "")
         else:
             why = f"the farm cannot take the batch: {_error_text(exc)}"
@@ -255,7 +261,8 @@ def run_batch(
         farm is busy."""
         nonlocal busy_delay, retry_at
         try:
-            job = farm.submit(model, item.prompt, **item.merged(common), **opts)
+            submit_job = farm.video if item.kind == "video" else farm.submit
+            job = submit_job(model, item.prompt, **item.merged(common), **opts)
         except FarmBusyError:
             busy_delay = min(BUSY_MAX_S, busy_delay * 2) if busy_delay else BUSY_FIRST_S
             retry_at = clock() + busy_delay
@@ -290,7 +297,7 @@ def run_batch(
         except Exception as exc:  # Redis away past its budget
             raise stop("farm", exc) from exc
         try:
-            write_result(out, item, job.id, result, write)
+            write_result(out, item, job.id, result, write, frames=frames)
         except OSError as exc:
             raise stop("output", exc, item) from exc
         finished += 1

@@ -1,8 +1,10 @@
 """Batch input: prompts from text (one a line, blank lines and `#` comments skipped), CSV (a
 header with `prompt` and optional per-item fields) or JSONL (one object a line), each item with
 a stable output name (its `name`, else `{index:05d}-{slug}`) so a re-run maps it to the same
-file. The per-item fields are the job schema's parameters (sdfarm.native.params). Pure: tested
-without a farm or a disk (tests/unit/test_batch_input.py).
+file. The per-item fields are the job schema's parameters (sdfarm.native.params); a line with
+`kind` video takes the video job's instead (sdfarm.client.batch_video), checked when read.
+Pure but for a video line's image files: tested without a farm (tests/unit/test_batch_input.py,
+tests/unit/test_batch_video.py).
 
 A file is streamed, never read whole: `iter_items` yields one item a line as the batch runs,
 and `scan_items` checks the whole file first (every line parses, no name is used twice)
@@ -24,6 +26,8 @@ from hashlib import blake2b
 from pathlib import Path
 from typing import Any
 
+from sdfarm.client import batch_video
+from sdfarm.client.batch_video import LineError
 from sdfarm.native.params import PARAMS
 
 ITEM_FIELDS: dict[str, type] = {p.name: p.python_type for p in PARAMS if p.name != "prompt"}
@@ -33,6 +37,14 @@ An input image is a file path, relative to the batch file's folder (a list of th
 `;`-separated in CSV, for reference images); it is read when the item is queued."""
 IMAGE_FIELDS = {p.name: p.kind for p in PARAMS if p.kind in ("image", "images")}
 LIST_FIELDS = {p.name for p in PARAMS if p.kind == "loras"}
+KIND_FIELDS: dict[str, dict[str, type]] = {
+    "generate": ITEM_FIELDS,
+    "video": {n: p.python_type for n, p in batch_video.VIDEO_FIELDS.items()},
+}
+"""Each kind of line's fields and their types."""
+KIND_IMAGES = {"generate": IMAGE_FIELDS, "video": batch_video.VIDEO_IMAGES}
+ALL_FIELDS = {*ITEM_FIELDS, *batch_video.VIDEO_FIELDS, "prompt", "name", "kind"}
+"""Every field a line may carry, of one kind or the other."""
 FORMATS = ("text", "csv", "jsonl")
 SLUG_CHARS = 40
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
@@ -44,16 +56,20 @@ class BatchInputError(ValueError):
 
 @dataclass(frozen=True)
 class BatchItem:
-    """One prompt to render. `params` holds only the fields the input set; the command's
-    flags fill the rest (`merged`)."""
+    """One prompt to render: an image (`kind` generate) or a video. `params` holds only the
+    fields the input set; the command's flags fill the rest (`merged`; a video line takes
+    those a video has)."""
 
     index: int
     prompt: str
     name: str
     params: dict[str, Any] = field(default_factory=dict)
     line: int = 0
+    kind: str = "generate"
 
     def merged(self, common: dict[str, Any]) -> dict[str, Any]:
+        if self.kind == "video":
+            common = batch_video.common_fields(common)
         return {**common, **self.params}
 
 
@@ -79,10 +95,10 @@ def detect_format(path: str | os.PathLike[str]) -> str:
     return "text"
 
 
-def _convert(name: str, value: Any, line: int) -> Any:
-    kind = ITEM_FIELDS[name]
-    if name in IMAGE_FIELDS:
-        return _image_paths(name, value, line)
+def _convert(name: str, value: Any, line: int, of: str = "generate") -> Any:
+    kind = KIND_FIELDS[of][name]
+    if name in KIND_IMAGES[of]:
+        return _image_paths(name, value, line, KIND_IMAGES[of][name] == "images")
     if name in LIST_FIELDS:  # a JSON list as it is, or `a:0.8;b` in a CSV cell
         return (
             [v.strip() for v in value.split(";") if v.strip()] if isinstance(value, str) else value
@@ -107,9 +123,8 @@ def _convert(name: str, value: Any, line: int) -> Any:
         ) from None
 
 
-def _image_paths(name: str, value: Any, line: int) -> str | list[str]:
+def _image_paths(name: str, value: Any, line: int, many: bool) -> str | list[str]:
     """An image field's path, or paths for a list field (a JSON list, or `a.png;b.png`)."""
-    many = IMAGE_FIELDS[name] == "images"
     if many and isinstance(value, str):
         value = [v.strip() for v in value.split(";") if v.strip()]
     if many and isinstance(value, list) and all(isinstance(v, str) and v for v in value):
@@ -131,7 +146,7 @@ def resolve_images(items: list[BatchItem], folder: Path) -> list[BatchItem]:
     out = []
     for item in items:
         params = dict(item.params)
-        for name, kind in IMAGE_FIELDS.items():
+        for name, kind in KIND_IMAGES[item.kind].items():
             if name in params:
                 v = params[name]
                 params[name] = [absolute(x) for x in v] if kind == "images" else absolute(v)
@@ -143,10 +158,26 @@ def _item(index: int, row: dict[str, Any], line: int) -> BatchItem:
     prompt = row.get("prompt")
     if not isinstance(prompt, str) or not prompt.strip():
         raise BatchInputError(f"line {line}: no prompt")
+    try:
+        kind = batch_video.line_kind(row.get("kind"))
+    except LineError as exc:
+        raise BatchInputError(f"line {line}: {exc}") from None
+    fields = KIND_FIELDS[kind]
     params = {}
     for key, value in row.items():
-        if key in ITEM_FIELDS and value not in (None, ""):
-            params[key] = _convert(key, value, line)
+        if key in ("prompt", "name", "kind") or value in (None, ""):
+            continue
+        if key not in fields:
+            raise BatchInputError(
+                f"line {line}: {key} is not a field of a {kind} line"
+                + (" (a video line's fields are those of sdfarm video)" if kind == "video" else "")
+            )
+        params[key] = _convert(key, value, line, kind)
+    if kind == "video":
+        try:
+            batch_video.check_line(params)
+        except LineError as exc:
+            raise BatchInputError(f"line {line}: {exc}") from None
     name = row.get("name")
     if name in (None, ""):
         name = default_name(index, prompt)
@@ -155,7 +186,9 @@ def _item(index: int, row: dict[str, Any], line: int) -> BatchItem:
             f"line {line}: name {name!r} is not a plain file name (letters, digits, '.', "
             f"'_', '-'; no extension)"
         )
-    return BatchItem(index=index, prompt=prompt.strip(), name=name, params=params, line=line)
+    return BatchItem(
+        index=index, prompt=prompt.strip(), name=name, params=params, line=line, kind=kind
+    )
 
 
 Lines = Iterable[tuple[int, str]]
@@ -215,7 +248,7 @@ def iter_csv(lines: Lines) -> Iterator[BatchItem]:
     fields = [f.strip() for f in _csv_line(header, header_line, dialect)]
     if "prompt" not in fields:
         raise BatchInputError(f"line {header_line}: the CSV header has no `prompt` column")
-    unknown = set(fields) - set(ITEM_FIELDS) - {"prompt", "name"}
+    unknown = set(fields) - ALL_FIELDS
     if unknown:
         raise BatchInputError(f"line {header_line}: unknown CSV columns {sorted(unknown)}")
     twice = sorted({f for f in fields if fields.count(f) > 1})
@@ -256,7 +289,7 @@ def iter_jsonl(lines: Lines) -> Iterator[BatchItem]:
             raise BatchInputError(f"line {n}: not JSON ({exc.msg})") from None
         if not isinstance(row, dict):
             raise BatchInputError(f"line {n}: expected a JSON object")
-        unknown = set(row) - set(ITEM_FIELDS) - {"prompt", "name"}
+        unknown = set(row) - ALL_FIELDS
         if unknown:
             raise BatchInputError(f"line {n}: unknown fields {sorted(unknown)}")
         yield _item(index, row, n)
@@ -338,7 +371,13 @@ def iter_items(path: str | os.PathLike[str], fmt: str | None = None) -> Iterator
     parser = _parser(fmt or detect_format(path))
     folder = Path(path).resolve().parent
     for item in parser(file_lines(path)):
-        yield resolve_images([item], folder)[0]
+        item = resolve_images([item], folder)[0]
+        if item.kind == "video":
+            try:
+                batch_video.check_images(item.params, folder)
+            except LineError as exc:
+                raise BatchInputError(f"line {item.line}: {exc}") from None
+        yield item
 
 
 @dataclass

@@ -1,6 +1,10 @@
 """Batch output: where each item's PNG and sidecar go, which items are already done (the
 resume test: a complete PNG exists), and writing them so that a PNG appears only once complete
 (sidecar first, then the PNG renamed into place) and a failed write leaves no `.tmp` behind.
+
+A video line's output is its video file instead of the PNG (`NAME.webp`, or `NAME.mp4` when
+the line asks for mp4), written the same way and so the same resume test; with `frames` its
+frames go first, as `NAME/frame-0000.png`, ... (what `sdfarm video` writes into its folder).
 """
 
 from __future__ import annotations
@@ -16,7 +20,20 @@ from sdfarm.client.batch_input import BatchItem
 
 
 def png_path(out_dir: Path, item: BatchItem) -> Path:
-    return out_dir / f"{item.name}.png"
+    """The item's output file: its PNG, or a video line's video file."""
+    return out_dir / output_name(item)
+
+
+def output_name(item: BatchItem) -> str:
+    """`NAME.png` for an image, `NAME.webp` or `NAME.mp4` for a video (its format)."""
+    if item.kind == "video":
+        return f"{item.name}.{item.params.get('format') or 'webp'}"
+    return f"{item.name}.png"
+
+
+def frames_dir(out_dir: Path, item: BatchItem) -> Path:
+    """Where a video line's frames go, when the batch writes them."""
+    return out_dir / item.name
 
 
 def sidecar_path(out_dir: Path, item: BatchItem) -> Path:
@@ -26,17 +43,18 @@ def sidecar_path(out_dir: Path, item: BatchItem) -> Path:
 def split_done(
     items: Sequence[BatchItem], existing: Iterable[str]
 ) -> tuple[list[BatchItem], list[BatchItem]]:
-    """(to do, skipped): an item is skipped when `{name}.png` is among the existing files.
-    Pure, so the decision is tested without a farm or a disk."""
+    """(to do, skipped): an item is skipped when its output file (`{name}.png`, a video's
+    `{name}.webp` or `.mp4`) is among the existing files. Pure, so the decision is tested
+    without a farm or a disk."""
     have = set(existing)
-    todo = [i for i in items if f"{i.name}.png" not in have]
-    skipped = [i for i in items if f"{i.name}.png" in have]
+    todo = [i for i in items if output_name(i) not in have]
+    skipped = [i for i in items if output_name(i) in have]
     return todo, skipped
 
 
 def is_done(out_dir: Path, item: BatchItem) -> bool:
-    """The resume test of one item, on the disk: its PNG exists and is not empty (a batch
-    streaming its input asks per item instead of listing the folder)."""
+    """The resume test of one item, on the disk: its PNG (a video's file) exists and is not
+    empty (a batch streaming its input asks per item instead of listing the folder)."""
     try:
         return png_path(out_dir, item).stat().st_size > 0
     except FileNotFoundError:
@@ -77,9 +95,11 @@ def write_result(
     job_id: str,
     result: Any,
     write: Callable[[Path, bytes], None] = write_file,
+    frames: bool = False,
 ) -> Path:
     """The sidecar first, then the PNG: a PNG on disk always has its metadata beside it. When
-    the PNG cannot be written, the sidecar just written goes too (the item is redone)."""
+    the PNG cannot be written, the sidecar just written goes too (the item is redone). A
+    video: the sidecar, its frames when `frames`, then its video file."""
     sidecar = {
         "name": item.name,
         "prompt": item.prompt,
@@ -91,9 +111,22 @@ def write_result(
     _write_atomically(meta, json.dumps(sidecar, indent=2, default=str).encode(), write)
     target = png_path(out_dir, item)
     try:
-        _write_atomically(target, result.png, write)
+        if item.kind == "video":
+            _write_frames(frames_dir(out_dir, item), result.frames if frames else [], write)
+        _write_atomically(target, result.video if item.kind == "video" else result.png, write)
     except BaseException:
         with contextlib.suppress(OSError):
             meta.unlink()
         raise
     return target
+
+
+def _write_frames(
+    folder: Path, pngs: Sequence[bytes], write: Callable[[Path, bytes], None] = write_file
+) -> None:
+    """A video's frames as `folder/frame-0000.png`, ..., each written whole."""
+    if not pngs:
+        return
+    folder.mkdir(exist_ok=True)
+    for i, png in enumerate(pngs):
+        _write_atomically(folder / f"frame-{i:04d}.png", png, write)

@@ -29,7 +29,7 @@ from sdfarm.client.errors import (
     UnknownModelError,
 )
 from sdfarm.client.job import DEADLINE_GRACE_S, WAIT_SLICE_S, Job, Result
-from sdfarm.native import enginekey, upscale_params, video_params
+from sdfarm.native import enginekey, upscale_params, video_params, videofile
 from sdfarm.native.decoders import resolve as resolve_decoder
 from sdfarm.native.errors import InvalidParameterError
 from sdfarm.native.estimate import ModelFacts, UpscalerFacts
@@ -336,9 +336,10 @@ class Farm:
         frames as PNGs then an animated WebP (`Result.frames`, `Result.webp`). `fields` are
         the other video parameters (sdfarm.native.video_params: width, height, frames (4k+1),
         fps, steps, seed, cfg_scale, sampler, scheduler, init_image, end_image as bytes or a
-        path) and the job options; `owner` and `quota` as `submit`'s. InvalidParameterError
-        before anything is queued; whether the model makes video (and reads the images given)
-        the worker checks before any native call."""
+        path, format: webp or mp4) and the job options; `owner` and `quota` as `submit`'s.
+        InvalidParameterError before anything is queued (mp4 included, when a live worker
+        that has the model lacks the `video` extra); whether the model makes video (and reads
+        the images given) the worker checks before any native call."""
         options = {k: fields.pop(k) for k in OPTION_NAMES if k in fields}
         values = video_params.read_image_files({"prompt": prompt, **fields})
         params = video_params.validate(video_params.from_mapping(values))
@@ -348,6 +349,13 @@ class Farm:
             raise InvalidParameterError(
                 "model", f"{model!r} is not a video model: video jobs need a Wan model"
             )
+        if params.format != "webp":  # the workers encode it: their library, not ours
+            workers = {
+                f"{hb.get('host')}/{hb.get('device')}": hb.get("video_formats")
+                for hb in self._heartbeats().values()
+                if model in heartbeat_models(hb)
+            }
+            videofile.check_workers(params.format, workers)
         doc, inputs = video_params.detach(params)
         spec = JobSpec(model=model, params=doc, kind="video", owner=owner, **asdict(opts))
         spec = replace(spec, submitter=opts.submitter or self.submitter)

@@ -61,37 +61,60 @@ class Result:
         return img
 
     @property
-    def webp(self) -> bytes | None:
-        """A video job's animated WebP (stored after its frames), else None."""
-        index = self.metadata.get("webp_index")
-        if self.metadata.get("kind") != "video" or not isinstance(index, int):
+    def video_index(self) -> int | None:
+        """Where a video job's file is among the stored results (after its frames), else
+        None."""
+        meta = self.metadata
+        index = meta.get("video_index", meta.get("webp_index"))
+        if meta.get("kind") != "video" or not isinstance(index, int):
             return None
-        return self.pngs[index] if 0 <= index < len(self.pngs) else None
+        return index if 0 <= index < len(self.pngs) else None
+
+    @property
+    def video_format(self) -> str | None:
+        """A video job's file format (webp or mp4; webp for jobs from before the choice)."""
+        return None if self.video_index is None else str(self.metadata.get("format") or "webp")
+
+    @property
+    def video(self) -> bytes | None:
+        """A video job's file (an animated WebP or an MP4: `video_format`), else None."""
+        index = self.video_index
+        return None if index is None else self.pngs[index]
+
+    @property
+    def webp(self) -> bytes | None:
+        """A video job's animated WebP, when it asked for one, else None."""
+        return self.video if self.video_format == "webp" else None
+
+    @property
+    def mp4(self) -> bytes | None:
+        """A video job's MP4, when it asked for one, else None."""
+        return self.video if self.video_format == "mp4" else None
 
     @property
     def frames(self) -> list[bytes]:
         """A video job's frames (PNG bytes, in order); a generation's images."""
-        if self.webp is None:
-            return list(self.pngs)
-        return list(self.pngs[: self.metadata["webp_index"]])
+        index = self.video_index
+        return list(self.pngs) if index is None else list(self.pngs[:index])
 
-    def save_video(self, folder: str | os.PathLike[str]) -> list[Path]:
-        """A video job's frames as `folder/frame-0000.png`, ... and `folder/video.webp`."""
+    def save_video(self, folder: str | os.PathLike[str], frames: bool = True) -> list[Path]:
+        """A video job's frames as `folder/frame-0000.png`, ... (unless not `frames`) and its
+        file as `folder/video.webp` (or `video.mp4`)."""
         out = Path(folder)
         out.mkdir(parents=True, exist_ok=True)
         written = []
-        for i, png in enumerate(self.frames):
+        for i, png in enumerate(self.frames if frames else []):
             (target := out / f"frame-{i:04d}.png").write_bytes(png)
             written.append(target)
-        if self.webp is not None:
-            (target := out / "video.webp").write_bytes(self.webp)
+        if self.video is not None:
+            (target := out / f"video.{self.video_format}").write_bytes(self.video)
             written.append(target)
         return written
 
     def save(self, path: str | os.PathLike[str]) -> list[Path]:
         """Write the first image to `path`, further ones to `name-1.png`, `name-2.png`, ...
         (a video's: `save_video`)."""
-        if self.webp is not None:
+        if self.video is not None:
             return self.save_video(Path(path).with_suffix(""))
         out = Path(path)
         out.parent.mkdir(parents=True, exist_ok=True)

@@ -26,7 +26,7 @@ from fastapi import FastAPI
 from fastapi.routing import APIRoute
 
 from sdfarm.client.farm import Farm
-from sdfarm.gateway import routes_a1111, routes_farm, routes_jobs, routes_openai
+from sdfarm.gateway import routes_a1111, routes_farm, routes_jobs, routes_openai, routes_videos
 from sdfarm.gateway.auth import Gate
 from sdfarm.gateway.bodylimit import BodyLimit
 from sdfarm.gateway.errors import APIError, add_handlers
@@ -37,7 +37,13 @@ from sdfarm.store.aio import AsyncStore
 
 DEFAULT_TIMEOUT_S = 600.0
 DEFAULT_RATE_PER_MINUTE = 600.0
-ROUTERS = (routes_openai.router, routes_jobs.router, routes_farm.router, routes_a1111.router)
+ROUTERS = (
+    routes_openai.router,
+    routes_jobs.router,
+    routes_videos.router,
+    routes_farm.router,
+    routes_a1111.router,
+)
 AIO_OPTIONS = {"socket_connect_timeout": 5.0, "socket_timeout": 30.0}
 
 GATEWAY_RETRY_S = 2.0

@@ -1,7 +1,7 @@
 """Who may call the gateway, and what they may see: bearer tokens (compared in constant time),
 operator tokens, the owner of a job, the per-caller rate limit, the client's real address
 behind trusted proxies, the status page's session cookie, and the signatures on image URLs that
-let OpenAI clients fetch an image without the token.
+let OpenAI clients fetch an image without the token (and on video URLs, which also expire).
 
 `Gate` holds all of it (one per app, on `app.state.gate`). The routes use the dependencies
 `require_token` and `require_page`, which leave the `Caller` on `request.state.caller`, or the
@@ -41,6 +41,7 @@ from fastapi import Request
 
 from sdfarm.gateway.errors import APIError
 from sdfarm.gateway.ratelimit import MEMORY, RateLimiter
+from sdfarm.store.results import SIGNED_URL_S
 
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 SESSION_COOKIE = "sdfarm_session"
@@ -104,8 +105,9 @@ def _ip(text: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
 class Gate:
     """The tokens (none: an open gateway, limited per client address), the operator tokens,
     the trusted proxies and the rate limit, counted in `rate_storage` (a Redis URL: shared by
-    every gateway on it; MEMORY: this process only), and `job_quota`: the live jobs a token
-    may have at once (0: no limit; kept in the farm's Redis, sdfarm.store's `owned:` sets)."""
+    every gateway on it; MEMORY: this process only), `job_quota`: the live jobs a token
+    may have at once (0: no limit; kept in the farm's Redis, sdfarm.store's `owned:` sets),
+    and `url_ttl_s`: how long a signed video URL lasts (an S3 store's presigned URL's hour)."""
 
     def __init__(
         self,
@@ -116,6 +118,7 @@ class Gate:
         trusted_proxies: Sequence[str] = (),
         rate_storage: str = MEMORY,
         job_quota: int = 0,
+        url_ttl_s: int = SIGNED_URL_S,
     ) -> None:
         operators = [t for t in operator_tokens if t]
         normal = [t for t in tokens if t and t not in operators]
@@ -128,6 +131,7 @@ class Gate:
         self.job_quota = max(0, job_quota)
         self.trusted = parse_networks(trusted_proxies)
         self._url_key = _url_key([*normal, *operators])
+        self.url_ttl_s = url_ttl_s
 
     @property
     def tokens_on(self) -> bool:
@@ -255,6 +259,35 @@ class Gate:
         """The image's path, relative to the gateway's base URL, signed when tokens are on."""
         q = f"i={i}" + (f"&sig={self.sign(job_id, i)}" if self.tokens_on else "")
         return f"v1/jobs/{job_id}/image.png?{q}"
+
+    # -- signed video URLs, which expire ---------------------------------------------------------
+
+    def _video_sig(self, job_id: str, fmt: str, expires: int) -> str:
+        return self._sign(f"video:{job_id}:{fmt}:{expires}")
+
+    def video_url(self, job_id: str, fmt: str, now: float | None = None) -> tuple[str, int | None]:
+        """(the video file's path relative to the gateway's base URL, its expiry as Unix
+        time): signed for `url_ttl_s` from `now` when tokens are on (fetchable without the
+        token until then); unsigned, with no expiry, on an open gateway. The signature covers
+        the job, the format and the expiry, so none of them can be changed."""
+        path = f"v1/jobs/{job_id}/video.{fmt}"
+        if not self.tokens_on:
+            return path, None
+        expires = int((time.time() if now is None else now) + self.url_ttl_s)
+        return f"{path}?exp={expires}&sig={self._video_sig(job_id, fmt, expires)}", expires
+
+    def video_signature(
+        self, job_id: str, fmt: str, expires: int, sig: str, now: float | None = None
+    ) -> str:
+        """What a video URL's `exp` and `sig` are: "valid", "expired" (this gateway's own
+        signature, past its time: the URL was genuine, so saying so leaks nothing) or
+        "invalid" (no signature, a wrong one, or an open gateway, which needs none)."""
+        if not (self.tokens_on and sig):
+            return "invalid"
+        good = self._video_sig(job_id, fmt, expires)
+        if not hmac.compare_digest(sig.encode(), good.encode()):
+            return "invalid"
+        return "expired" if expires < (time.time() if now is None else now) else "valid"
 
 
 def basic_password(credentials: str) -> str:

@@ -204,6 +204,7 @@ def _errors(*codes: int) -> dict[int | str, dict[str, Any]]:
     """OpenAPI `responses` for the error statuses an endpoint documents."""
     why = {
         400: "invalid request", 401: "missing or invalid bearer token", 404: "not found",
+        403: "a signed URL that expired (code url_expired)",
         500: "the job failed (code job_failed)",
         409: "the job is not in a state that allows this", 413: "the body is too large",
         429: "the queue is full, or the caller's rate or live-jobs quota is spent (Retry-After)",

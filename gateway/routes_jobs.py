@@ -1,7 +1,7 @@
 """The jobs API: `POST /v1/jobs` queues a job (`POST /v1/upscale` an upscale, `POST /v1/videos`
 a video) and answers at once (202), then
 `GET /v1/jobs/{id}` (its record), `/image.png` (an image, by token or signed URL; a video's
-frames), `/video.webp` (a video job's animated WebP),
+frames; a video's file is sdfarm.gateway.routes_videos'),
 `/events` (server-sent events until it ends) and `DELETE` (cancel a live job; delete an
 ended one with its images, from whichever result store holds them).
 
@@ -111,8 +111,9 @@ def create_upscale(request: Request, body: Any = Depends(json_body)) -> Any:  # 
     openapi_extra=body_doc(VideoRequest),
 )
 def create_video(request: Request, body: Any = Depends(json_body)) -> Any:  # noqa: B008
-    """A video job, queued like `POST /v1/jobs`: its frames are the job's images
-    (`/image.png?i=N`), its animated WebP `/v1/jobs/{id}/video.webp`."""
+    """A video job, queued like `POST /v1/jobs`: `GET /v1/videos/{id}` answers its state
+    and, once done, a signed URL of its video file (`format`: webp or mp4); its frames are
+    the job's images (`/image.png?i=N`)."""
     model, prompt, values = video_args(parse(VideoRequest, body).model_dump())
     farm = request.app.state.farm
     return _queued(request, lambda **who: farm.video(model, prompt, **who, **values))
@@ -154,9 +155,10 @@ def get_job(request: Request, job_id: str) -> Any:
         "images": farm.store.image_count(job_id),
     }
     if doc["state"] == "done":
-        if doc["kind"] == "video":  # the frames, then the animated WebP
+        if doc["kind"] == "video":  # the frames, then the video file (routes_videos)
             doc["images"] = max(0, doc["images"] - 1)
-            doc["video_url"] = f"/v1/jobs/{job_id}/video.webp"
+            fmt = doc["params"].get("format") or "webp"
+            doc["video_url"] = f"/v1/jobs/{job_id}/video.{fmt}"
         doc["image_urls"] = [f"/v1/jobs/{job_id}/image.png?i={i}" for i in range(doc["images"])]
     return doc
 
@@ -192,33 +194,6 @@ def get_image(
     if png is None:
         raise APIError(404, f"job {job_id} has no image {i}", param="i", code="no_image")
     return Response(png, media_type="image/png")
-
-
-@router.get(
-    "/v1/jobs/{job_id}/video.webp",
-    dependencies=[Depends(require_token)],
-    responses={200: {"content": {"image/webp": {}}}, **_errors(401, 404, 409, 503)},
-)
-def get_video(request: Request, job_id: str) -> Any:
-    """A video job's animated WebP (stored after its frames), by a token that may see it."""
-    farm: Farm = request.app.state.farm
-    job = job_or_404(farm, job_id, caller(request))
-    rec = job.record()
-    if (rec.get("kind") or "generate") != "video":
-        raise APIError(404, f"job {job_id} is not a video job", code="no_video")
-    state = rec.get("state", "")
-    if state != "done":
-        raise APIError(409, f"job {job_id} is {state}, it has no video", code="job_not_done")
-    try:
-        last = farm.store.image_count(job_id) - 1
-        data, url = image_of(rec, last, farm.store)
-    except Exception as exc:  # noqa: BLE001 - Redis or the result store away: 503
-        raise _farm_error(exc) from None
-    if url is not None:
-        return RedirectResponse(url, status_code=307)
-    if data is None or not data.startswith(b"RIFF"):
-        raise APIError(404, f"job {job_id} has no video", code="no_video")
-    return Response(data, media_type="image/webp")
 
 
 @router.delete(

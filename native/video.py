@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Any
 
 from PIL import Image
 
-from sdfarm.native import logs, memory
+from sdfarm.native import logs, memory, videofile
 from sdfarm.native.errors import (
     GenerationError,
     InvalidParameterError,
@@ -277,19 +277,25 @@ def refuse_video_model(model: Model) -> None:
 
 @dataclass
 class VideoResult:
-    """A video job's frames (PIL images, in order), the animated WebP made of them, and
-    everything needed to reproduce and explain them. `images` and `extra` are what the
-    worker stores: the frames as PNGs, then the WebP."""
+    """A video job's frames (PIL images, in order), the video file made of them (an animated
+    WebP, or an MP4 when the job asked: `params.format`), and everything needed to reproduce
+    and explain them. `images` and `extra` are what the worker stores: the frames as PNGs,
+    then the video file."""
 
     images: list[Image.Image]
-    webp: bytes
+    video: bytes
     params: VideoParams
     metadata: dict[str, Any]
     records: list[logs.LogRecord] = field(default_factory=list)
 
     @property
     def extra(self) -> list[bytes]:
-        return [self.webp]
+        return [self.video]
+
+    @property
+    def webp(self) -> bytes | None:
+        """The animated WebP, when the job asked for one (the default)."""
+        return self.video if self.params.format == "webp" else None
 
     @property
     def frames(self) -> list[Image.Image]:
@@ -329,6 +335,7 @@ def generate_video(
     GenerationError quoting the runtime's errors when it returns no frames."""
     engine._check_usable()
     params = validate(params)
+    videofile.check_format(params.format)  # mp4 without its library here: before the call
     vm = require_video_model(engine.model)
     vm.check(params)
     if params.encodes and not engine.model.can_encode:
@@ -373,7 +380,10 @@ def generate_video(
             records=errors,
         )
     t = time.monotonic()
-    webp = animated_webp(frames, params.fps)
+    if params.format == "mp4":
+        video = videofile.mp4(frames, params.fps)
+    else:
+        video = animated_webp(frames, params.fps)
     encode_s = time.monotonic() - t
     warnings = [r.message for r in raw if r.level == "warn"]
     if not vm.text_encoder:
@@ -392,11 +402,12 @@ def generate_video(
         "sd_version": engine.capabilities.sd_version,
         "seeds": None,
         "estimate": need,
-        "webp_index": len(frames),
+        "webp_index": len(frames),  # the video file's index, whatever its format
+        "video_index": len(frames),
         "warnings": warnings,
-        "timings": {"generate_s": round(seconds, 4), "webp_s": round(encode_s, 4)},
+        "timings": {"generate_s": round(seconds, 4), f"{params.format}_s": round(encode_s, 4)},
     }
-    return VideoResult(frames, webp, params, metadata, records)
+    return VideoResult(frames, video, params, metadata, records)
 
 
 def _run(

@@ -45,6 +45,7 @@ from sdfarm.native.params import (
     param,
     read_image,
 )
+from sdfarm.native.videofile import VIDEO_FORMATS
 
 VIDEO_SIZE_STEP = 16
 MIN_VIDEO_SIZE, MAX_VIDEO_SIZE = 32, 2048
@@ -78,7 +79,11 @@ class VideoParams:
         "int", 17, "frames of the video: 4k+1 (1, 5, 9, ...), as the Wan VAE packs them",
         lo=1, hi=MAX_FRAMES,
     )  # fmt: skip
-    fps: int = param("int", 16, "frames a second of the animated WebP", lo=1, hi=MAX_FPS)
+    fps: int = param("int", 16, "frames a second of the video", lo=1, hi=MAX_FPS)
+    format: str = param(
+        "choice", "webp", "the video file: webp (animated, lossless) or mp4 (H.264; needs the "
+        "optional extra `video`)", choices=VIDEO_FORMATS,
+    )  # fmt: skip
     steps: int = param("int", 20, "sampling steps", lo=1, hi=MAX_STEPS)
     seed: int = param("int", RANDOM_SEED, "random seed", lo=0, hi=MAX_SEED, auto=RANDOM_SEED)
     cfg_scale: float = param("float", 5.0, "classifier-free guidance scale", lo=0.0, hi=50.0)

@@ -17,6 +17,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
+from sdfarm.native.videofile import MEDIA_TYPES, format_of
 from sdfarm.store.results import SIGNED_URL_S
 
 
@@ -53,8 +54,9 @@ class S3Results:
         keys = []
         for i, data in enumerate(pngs):
             key = self._key(job_id, i, run)
-            # A video job's animated WebP comes after its frames (sdfarm.native.video).
-            kind = "image/webp" if data[:4] == b"RIFF" else "image/png"
+            # A video job's file (an animated WebP or an MP4) comes after its frames
+            # (sdfarm.native.video), so a presigned URL serves it with its own type.
+            kind = MEDIA_TYPES.get(format_of(data) or "", "image/png")
             self.client.put_object(Bucket=self.bucket, Key=key, Body=data, ContentType=kind)
             keys.append(key)
         return keys

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 from sdfarm.native.devices import gpu_figure
 from sdfarm.native.estimate import model_facts, upscaler_facts
 from sdfarm.native.probe import mem_available
+from sdfarm.native.videofile import encodable_formats
 from sdfarm.store import keys
 
 if TYPE_CHECKING:
@@ -197,6 +198,9 @@ class Heartbeat:
             # scheduler adds them to an engine key's model (sdfarm.native.enginekey).
             "controlnets": {n: f.resident_bytes for n, f in ctx.controlnets.all().items()},
             "embeddings": ctx.embeddings.sizes(),
+            # The video files this worker can encode (mp4 needs the `video` extra): Farm.video
+            # refuses a format a worker with the model lacks.
+            "video_formats": encodable_formats(),
             "queue": ctx.store.queue_length(cfg.device_key),
             "state": state,
             "current_job": ctx.current_job,

@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import asdict, fields
 from typing import Any
 
-from sdfarm.native import enginekey, images, logs, upscale_params, video_params
+from sdfarm.native import enginekey, images, logs, upscale_params, video_params, videofile
 from sdfarm.native.controlnets import CONTROL_HEADS
 from sdfarm.native.decoders import resolve as resolve_decoder
 from sdfarm.native.engine import LogConfig, ModelWith, check_extras, extras_bytes
@@ -206,6 +206,7 @@ class JobRun:
         params = video_params.validate(
             video_params.from_mapping(video_params.attach(spec.params, inputs))
         )
+        videofile.check_format(params.format)  # mp4 without the extra here: before any load
         model = self.ctx.catalog.load(spec.model)
         require_video_model(model).check(params)
         facts = model_facts(model, self.ctx.config.device)
