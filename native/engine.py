@@ -49,6 +49,7 @@ from sdfarm.native.estimate import (
     upscaler_facts,
     use_vae_conv_direct,
 )
+from sdfarm.native.filehash import lora_hash, model_hash
 from sdfarm.native.fitplan import FitPlan, plan_fit
 from sdfarm.native.loras import LoraFile
 from sdfarm.native.model import Model
@@ -240,6 +241,9 @@ class Engine:
         self.last_call: dict[str, Any] = {}  # the last generation's parameters, read back
         self._lora_paths: dict[str, Path] = {}
         self._hires_path: Path | None = None
+        main = self.model.files.get("diffusion_model") or self.model.files.get("checkpoint")
+        # Once per file version on this host (sdfarm.native.filehash), never per job.
+        self.model_hash: str | None = model_hash(main.path) if main is not None else None
 
         figs, planned = host_device(figures, backend, device, pinned)
         w, h = self.model.native_size
@@ -635,6 +639,10 @@ class Engine:
         if missing:
             raise InvalidParameterError("loras", f"unknown LoRA {missing[0]!r}")
         self._lora_paths = {name: files[name].path for name, _ in params.loras}
+        lora_hashes = {
+            name: lora_hash(files[name].path, {"sshs_model_hash": files[name].stored_hash})
+            for name, _ in params.loras
+        }
         lora_bytes = sum(files[name].size for name, _ in params.loras)
         if tiling is None:
             tiling = self.tiling_plan(params, lora_bytes + hires_bytes)
@@ -693,6 +701,8 @@ class Engine:
         metadata = {
             **params.as_dict(),
             "model": self.model.name,
+            **({"model_hash": self.model_hash} if self.model_hash else {}),
+            **({"lora_hashes": lora_hashes} if lora_hashes else {}),
             "backend": self.capabilities.backend,
             "device": self.capabilities.device,
             "sd_version": self.capabilities.sd_version,
