@@ -25,6 +25,8 @@ from typing import Any
 
 from sdfarm.native import memory
 from sdfarm.native.devices import Device
+from sdfarm.native.drawsize import round_up, size_multiple
+from sdfarm.native.params import SIZE_STEP
 
 VAE_TILE_LATENT = 32
 """A tiled decode's tile side in latent cells: the runtime's own default (vae.hpp
@@ -60,6 +62,9 @@ class ModelFacts:
     context: int = 0
     """What the device's backend holds per engine process beyond the model's terms
     (CUDA_CONTEXT_BYTES on CUDA, 0 elsewhere): every slot is a process with its own."""
+    size_multiple: int = SIZE_STEP
+    """The multiple the runtime rounds a size up to for this model (64 for a UNet,
+    sdfarm.native.drawsize): it draws, and holds, the rounded size."""
 
     def estimate(
         self,
@@ -74,7 +79,9 @@ class ModelFacts:
         decoder's per pixel (the same convolutions run the other way); `extra_bytes` are the
         files a job adds (its LoRAs), counted like the model's (the seed's quarter on top).
         `tiled`: the VAE decodes (and encodes) in tiles of VAE_TILE_PIXELS a side, which
-        bounds the decode's terms by a tile (memory.tiled_estimate_bytes says which)."""
+        bounds the decode's terms by a tile (memory.tiled_estimate_bytes says which). The
+        size counts as the runtime draws it, rounded up to `size_multiple`."""
+        width, height = round_up(width, self.size_multiple), round_up(height, self.size_multiple)
         nw, nh = self.native_size
         per_pixel = self.decode_per_pixel * (2 if encodes else 1)
         control = self.control_working(int(width), int(height))
@@ -141,6 +148,7 @@ class ModelFacts:
             "decode_per_pixel": self.decode_per_pixel,
             **({"control_heads": self.control_heads} if self.control_heads else {}),
             **({"context": self.context} if self.context else {}),
+            **({"size_multiple": self.size_multiple} if self.size_multiple != SIZE_STEP else {}),
         }
         if self.video:
             doc["video"] = self.video
@@ -157,6 +165,7 @@ class ModelFacts:
             str(doc.get("video") or ""),
             int(doc.get("control_heads") or 0),
             int(doc.get("context") or 0),
+            int(doc.get("size_multiple") or SIZE_STEP),
         )
 
     @classmethod
@@ -173,6 +182,7 @@ class ModelFacts:
             video,
             max(f.control_heads for f in facts),
             max(f.context for f in facts),
+            max(f.size_multiple for f in facts),
         )
 
     def with_extras(self, extra_bytes: int, control_heads: int = 0) -> ModelFacts:
@@ -186,7 +196,8 @@ class ModelFacts:
 
 
 def model_facts(model: Any, device: Device) -> ModelFacts:
-    """The facts of a loaded or loadable `Model` (sdfarm.native.model) on `device`."""
+    """The facts of a loaded or loadable `Model` (sdfarm.native.model) on `device` (a model
+    that names no architecture is taken as drawn at the size asked)."""
     from sdfarm.native.video import video_model
 
     found = video_model(model)
@@ -196,6 +207,7 @@ def model_facts(model: Any, device: Device) -> ModelFacts:
         decode_bytes_per_pixel(model.files, device),
         found.desc if found else "",
         context=context_bytes(device),
+        size_multiple=size_multiple(getattr(model, "architecture", "")),
     )
 
 
