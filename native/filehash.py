@@ -17,7 +17,8 @@ writes, and so what we write:
   editing the metadata does not change it: Civitai's "AutoV3"), else (a .gguf file, which A1111
   cannot load: it hashes non-safetensors files whole) the SHA-256 of the whole file.
 
-Hashing reads every byte (about 0.8 GB/s here, so a 6.5 GB SDXL checkpoint costs 8 s), so it
+Hashing reads every byte (0.8 to 1.2 GB/s on these 2 cores by bench/file_hash.py, so a
+6.5 GB SDXL checkpoint costs 5 to 8 s), so it
 never runs per job: a worker hashes a model when its engine loads and a LoRA when a job first
 uses it, and keeps the result per (path, size, mtime) in memory and in a small JSON file in
 the user's cache (`$SDFARM_CACHE/hashes.json`, as A1111 keeps its `cache.json`), so a
