@@ -67,6 +67,10 @@ def cmd_convert(args: argparse.Namespace) -> int:
         f"{doc['folder']}: {format_bytes(before)} -> {format_bytes(after)} "
         f"({after / before:.0%}) in {doc['convert_s']:.1f} s"
     )
+    need = doc.get("need") or {}
+    if need:
+        print(f"  needed about {format_bytes(need['memory'])} of memory and "
+              f"{format_bytes(need['disk'])} of disk")  # fmt: skip
     for f in doc["files"]:
         print(f"  {f['role']:<16} {f['file']:<24} {f['action']:<8} "
               f"{format_bytes(f['before']):>10} -> {format_bytes(f['after'])}")  # fmt: skip

@@ -26,7 +26,9 @@ child process: it aborts its process on some inputs (an uncaught C++ exception o
 regular expression, 283 asserts in its source), so a crash costs the command, not the caller,
 and is reported with the child's signal. The runtime builds a whole file's result in memory
 before it writes it: converting the 1.46 GB q4_0 SD 1.x test checkpoint to q4_1 (1.48 GB)
-peaked at 1.65 GB RSS in 65 s on 2 cores. A child the kernel kills for memory is reported as
+peaked at 1.65 GB RSS in 65 s on 2 cores. So the memory and disk it needs are worked out from
+the headers first (`convert_need`, sdfarm.native.convertmem) and a host that cannot hold them
+is refused before the child starts. A child the kernel kills for memory is reported as
 such. The files are written into a hidden folder beside
 the source (`.NAME.converting-PID`, which the catalog never lists: names start with a letter
 or digit) that is renamed into place only when every file converted and its headers read
@@ -48,7 +50,20 @@ from pathlib import Path
 from typing import Any
 
 from sdfarm.native.catalog import ASSET_FOLDERS, NAME, Catalog, model_dirs
-from sdfarm.native.errors import EngineError, InvalidParameterError
+from sdfarm.native.convertmem import (
+    CONVERT_BASE,
+    HEADER_MARGIN,
+    ConvertNeed,
+    DiskProbe,
+    MemoryProbe,
+    disk_free,
+    host_available_memory,
+    loader_threads,
+    output_bytes,
+    refusal,
+    working_bytes,
+)
+from sdfarm.native.errors import EngineError, InvalidParameterError, ModelTooLargeError
 from sdfarm.native.model import MANIFEST_NAME, Model
 
 # sd_type_t of master-596 (include/stable-diffusion.h): the types `convert` can write, name ->
@@ -215,10 +230,43 @@ def _vae_type(header: Any) -> str:
     return types.pop() if len(types) == 1 and next(iter(types), "") in TYPES else "f16"
 
 
-def convert_model(p: ConvertPlan, timeout: float = CHILD_TIMEOUT_S) -> dict[str, Any]:
-    """Carry out a checked plan: convert in a child process into a hidden folder, read the
+def convert_need(p: ConvertPlan, threads: int | None = None) -> ConvertNeed:
+    """The memory and disk converting `p` needs, from its files' headers, with the runtime's
+    loader on `threads` threads (default: its own choice, the physical cores);
+    sdfarm.native.convertmem says the rule and how it was measured."""
+    n = threads or loader_threads()
+    results, peaks = [], []
+    for f in p.files:
+        if f.action != "convert":
+            continue
+        header, rules = p.model.files[f.role].header, check_rules(f.rules)
+        results.append(output_bytes(header, f.type, rules))
+        peaks.append(results[-1] + working_bytes(header, f.type, rules, n))
+    copied = sum(p.model.files[f.role].size for f in p.files if f.action == "copy")
+    memory = max(peaks) + CONVERT_BASE if peaks else 0
+    return ConvertNeed(memory, sum(results) + HEADER_MARGIN * len(results) + copied)
+
+
+def convert_model(
+    p: ConvertPlan,
+    timeout: float = CHILD_TIMEOUT_S,
+    *,
+    available_memory: MemoryProbe = host_available_memory,
+    free_disk: DiskProbe = disk_free,
+) -> dict[str, Any]:
+    """Carry out a checked plan: refuse it when this host's available memory
+    (`available_memory`) or the output disk's free bytes (`free_disk`) cannot hold what it
+    needs (convert_need), else convert in a child process into a hidden folder, read the
     result back as a model, rename it into place. Returns what was done: sizes, times, the new
     model's name and folder. On any failure the hidden folder is removed."""
+    need = convert_need(p)
+    memory, disk = available_memory(), free_disk(str(p.out_dir.parent))
+    if why := refusal(need, memory, disk):
+        raise ModelTooLargeError(
+            f"cannot convert model {p.model.name} to {p.type}: {why}",
+            need.memory,
+            {"MemAvailable": memory, "disk free": disk},
+        )
     tmp = p.out_dir.parent / f".{p.out_dir.name}.converting-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
@@ -264,6 +312,7 @@ def convert_model(p: ConvertPlan, timeout: float = CHILD_TIMEOUT_S) -> dict[str,
         "bytes_before": p.model.total_bytes,
         "bytes_after": new.total_bytes,
         "convert_s": round(time.monotonic() - t0, 3),
+        "need": {"memory": need.memory, "disk": need.disk},
         "child": child,
     }
 

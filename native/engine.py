@@ -36,6 +36,7 @@ from sdfarm.native.devices import (
     choose_compute_device,
     gpu_figure,
 )
+from sdfarm.native.drawsize import Canvas
 from sdfarm.native.embeddings import TABLE_BYTES, EmbeddingFile
 from sdfarm.native.errors import (
     EnginePoisonedError,
@@ -51,6 +52,7 @@ from sdfarm.native.estimate import (
     upscaler_facts,
     use_vae_conv_direct,
 )
+from sdfarm.native.filehash import lora_hash, model_hash
 from sdfarm.native.fitplan import FitPlan, plan_fit
 from sdfarm.native.loras import LoraFile
 from sdfarm.native.model import Model
@@ -249,6 +251,9 @@ class Engine:
         self.last_call: dict[str, Any] = {}  # the last generation's parameters, read back
         self._lora_paths: dict[str, Path] = {}
         self._hires_path: Path | None = None
+        main = self.model.files.get("diffusion_model") or self.model.files.get("checkpoint")
+        # Once per file version on this host (sdfarm.native.filehash), never per job.
+        self.model_hash: str | None = model_hash(main.path) if main is not None else None
 
         figs, planned = host_device(figures, backend, device, pinned)
         w, h = self.model.native_size
@@ -394,27 +399,32 @@ class Engine:
         progress: Callable[[int, int, float], None] | None,
         tiled: bool = False,
         preview: Callable[[Preview], None] | None = None,
+        canvas: Canvas | None = None,
     ) -> list[Image.Image]:
+        """Call the runtime for `params` at the sizes it draws (`canvas`, by default the job's
+        own sizes): the images as it returns them, uncropped."""
         ffi, lib = self._ffi, self._lib
+        if canvas is None:
+            canvas = Canvas.of((params.width, params.height), params.final_size, 1)
         g = ffi.new("sd_img_gen_params_t*")
         lib.sd_img_gen_params_init(g)
         prompt = ffi.new("char[]", params.prompt.encode())
         negative = ffi.new("char[]", params.negative_prompt.encode())
         g.prompt = prompt
         g.negative_prompt = negative
-        g.width, g.height = params.width, params.height
+        g.width, g.height = canvas.drawn
         g.seed = params.seed
         g.batch_count = params.batch_count
         g.clip_skip = params.clip_skip
         g.sample_params.sample_steps = params.steps
         g.sample_params.guidance.txt_cfg = params.cfg_scale
-        keep = self._set_images(g, params)
+        keep = self._set_images(g, params, canvas)
         g.cache.mode = STEP_CACHES.index(params.step_cache)  # the runtime's enum order
         if params.hires_scale > 1.0:
             g.hires.enabled = True
             g.hires.upscaler = lib.SD_HIRES_UPSCALER_LATENT
             g.hires.scale = params.hires_scale
-            g.hires.target_width, g.hires.target_height = params.final_size
+            g.hires.target_width, g.hires.target_height = canvas.final_drawn
             g.hires.steps = params.hires_steps
             g.hires.denoising_strength = params.hires_strength
             if self._hires_path is not None:
@@ -477,10 +487,11 @@ class Engine:
             lib.free(out)
         return images
 
-    def _set_images(self, g: Any, params: GenerationParams) -> list[Any]:
+    def _set_images(self, g: Any, params: GenerationParams, canvas: Canvas) -> list[Any]:
         """Put the job's input images into the call as the runtime reads them (8-bit RGB, a
-        mask single-channel, init and mask at the job's size); returns the buffers, which must
-        live until the call returns. A resize is noted for the job's warnings."""
+        mask single-channel, init and mask at the job's size, padded to the size the runtime
+        draws: sdfarm.native.drawsize); returns the buffers, which must live until the call
+        returns. A resize is noted for the job's warnings."""
         ffi = self._ffi
         keep: list[Any] = []
         self._input_notes = []
@@ -490,6 +501,9 @@ class Engine:
             raw, resized = images.pixels(data, w, h, mask)
             if resized:
                 self._input_notes.append(f"{what} was resized to {w}x{h}, the job's size")
+            if size is not None:
+                raw = canvas.pad(raw, 1 if mask else 3, mask)
+                w, h = canvas.drawn
             buf = ffi.new("uint8_t[]", raw)
             keep.append(buf)
             return {"width": w, "height": h, "channel": 1 if mask else 3, "data": buf}
@@ -649,7 +663,9 @@ class Engine:
                 f"model {self.model.name!r} cannot encode an image (img2img, inpainting) with "
                 f"its {self.decoder}: it has no encoder, only a decoder",
             )
-        for w, h in {(params.width, params.height), params.final_size}:
+        multiple = self.facts.size_multiple
+        canvas = Canvas.of((params.width, params.height), params.final_size, multiple)
+        for w, h in {canvas.drawn, canvas.final_drawn}:
             if why := cuda_size_error(self.architecture, self.capabilities_device, w, h):
                 raise InvalidParameterError("width", why)
         self._check_engine_extras(params)
@@ -658,6 +674,10 @@ class Engine:
         if missing:
             raise InvalidParameterError("loras", f"unknown LoRA {missing[0]!r}")
         self._lora_paths = {name: files[name].path for name, _ in params.loras}
+        lora_hashes = {
+            name: lora_hash(files[name].path, {"sshs_model_hash": files[name].stored_hash})
+            for name, _ in params.loras
+        }
         lora_bytes = sum(files[name].size for name, _ in params.loras)
         if tiling is None:
             tiling = self.tiling_plan(params, lora_bytes + hires_bytes)
@@ -696,7 +716,7 @@ class Engine:
         with Engine._native_lock:
             if log is not None:
                 self._ring.configure(cfg.ring_bytes, cfg.native)
-            images = self._run(params, progress, tiling.tiled, preview)
+            images = self._run(params, progress, tiling.tiled, preview, canvas)
             raw = self._drain_raw(scrub)
         seconds = time.monotonic() - started
         records = self._take_records(raw, cfg)
@@ -709,6 +729,10 @@ class Engine:
                 records=errors,
             )
         warnings = [r.message for r in raw if r.level == "warn"] + self._input_notes
+        drawn = images[0].size  # what the runtime really drew, before the crop
+        images = [canvas.crop(im) for im in images]
+        if drawn != images[0].size:
+            warnings.append(canvas.warning(self.model.name, multiple, drawn))
         if tiling.warning:
             warnings.append(tiling.warning)
         if self._verdict.action == "warn":
@@ -718,10 +742,13 @@ class Engine:
         metadata = {
             **params.as_dict(),
             "model": self.model.name,
+            **({"model_hash": self.model_hash} if self.model_hash else {}),
+            **({"lora_hashes": lora_hashes} if lora_hashes else {}),
             "backend": self.capabilities.backend,
             "device": self.capabilities.device,
             "sd_version": self.capabilities.sd_version,
             "seeds": [params.seed + i for i in range(len(images))],
+            **({"drawn_size": list(drawn)} if drawn != images[0].size else {}),
             "estimate": size_estimate,
             "vae_tiled": tiling.tiled,
             "fit_plan": self.fit.as_dict(),

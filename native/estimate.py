@@ -25,6 +25,8 @@ from typing import Any
 
 from sdfarm.native import memory
 from sdfarm.native.devices import Device
+from sdfarm.native.drawsize import round_up, size_multiple
+from sdfarm.native.params import SIZE_STEP
 
 VAE_TILE_LATENT = 32
 """A tiled decode's tile side in latent cells: the runtime's own default (vae.hpp
@@ -64,6 +66,9 @@ class ModelFacts:
     """The decoders the model has (sdfarm.native.decoders: "vae", "taesd"), so a client
     refuses a job's `decoder` the model lacks before it is queued. `decode_per_pixel` is
     that of the model's own decoder; `with_decoder` gives a TAESD engine's."""
+    size_multiple: int = SIZE_STEP
+    """The multiple the runtime rounds a size up to for this model (64 for a UNet,
+    sdfarm.native.drawsize): it draws, and holds, the rounded size."""
 
     def estimate(
         self,
@@ -78,7 +83,9 @@ class ModelFacts:
         decoder's per pixel (the same convolutions run the other way); `extra_bytes` are the
         files a job adds (its LoRAs), counted like the model's (the seed's quarter on top).
         `tiled`: the VAE decodes (and encodes) in tiles of VAE_TILE_PIXELS a side, which
-        bounds the decode's terms by a tile (memory.tiled_estimate_bytes says which)."""
+        bounds the decode's terms by a tile (memory.tiled_estimate_bytes says which). The
+        size counts as the runtime draws it, rounded up to `size_multiple`."""
+        width, height = round_up(width, self.size_multiple), round_up(height, self.size_multiple)
         nw, nh = self.native_size
         per_pixel = self.decode_per_pixel * (2 if encodes else 1)
         control = self.control_working(int(width), int(height))
@@ -146,6 +153,7 @@ class ModelFacts:
             **({"control_heads": self.control_heads} if self.control_heads else {}),
             **({"context": self.context} if self.context else {}),
             **({"decoders": list(self.decoders)} if self.decoders else {}),
+            **({"size_multiple": self.size_multiple} if self.size_multiple != SIZE_STEP else {}),
         }
         if self.video:
             doc["video"] = self.video
@@ -163,6 +171,7 @@ class ModelFacts:
             int(doc.get("control_heads") or 0),
             int(doc.get("context") or 0),
             tuple(str(d) for d in doc.get("decoders") or ()),
+            int(doc.get("size_multiple") or SIZE_STEP),
         )
 
     @classmethod
@@ -181,6 +190,7 @@ class ModelFacts:
             max(f.control_heads for f in facts),
             max(f.context for f in facts),
             tuple(d for d in facts[0].decoders if all(d in f.decoders for f in facts)),
+            max(f.size_multiple for f in facts),
         )
 
     def with_extras(self, extra_bytes: int, control_heads: int = 0) -> ModelFacts:
@@ -200,11 +210,11 @@ class ModelFacts:
             return self
         return replace(self, decode_per_pixel=TAESD_DECODE_BYTES_PER_PIXEL)
 
-
 def model_facts(model: Any, device: Device, decoder: str = "") -> ModelFacts:
     """The facts of a loaded or loadable `Model` (sdfarm.native.model) on `device`, for an
     engine decoding with `decoder` (vae or taesd; "": the model's own,
-    sdfarm.native.decoders)."""
+    sdfarm.native.decoders); a model that names no architecture is taken as drawn at the size
+    asked."""
     from sdfarm.native.decoders import own
     from sdfarm.native.video import video_model
 
@@ -217,6 +227,7 @@ def model_facts(model: Any, device: Device, decoder: str = "") -> ModelFacts:
         found.desc if found else "",
         context=context_bytes(device),
         decoders=decoders,
+        size_multiple=size_multiple(getattr(model, "architecture", "")),
     )
     return facts.with_decoder(decoder)
 

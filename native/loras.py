@@ -29,11 +29,14 @@ LORA_MARKS = ("lora_down", "lora_up", "lora_A", "lora_B", "lora.down", "lora.up"
 
 @dataclass(frozen=True)
 class LoraFile:
-    """A checked LoRA file: its name, absolute path and size in bytes."""
+    """A checked LoRA file: its name, absolute path and size in bytes, and the hash its
+    trainer stored in its metadata (`sshs_model_hash`, "" when none), which A1111's `Lora
+    hashes` prefers (sdfarm.native.filehash.lora_hash)."""
 
     name: str
     path: Path
     size: int
+    stored_hash: str = ""
 
 
 def lora_dirs(
@@ -58,7 +61,8 @@ class LoraCatalog(FileCatalog[LoraFile]):
                 "low-rank pairs such as *.lora_down.weight / *.lora_up.weight",
                 role="lora",
             )
-        return LoraFile(name, path, header.file_size)
+        stored = header.metadata.get("sshs_model_hash") if header.format == "safetensors" else ""
+        return LoraFile(name, path, header.file_size, str(stored or ""))
 
     def sizes(self) -> dict[str, int]:
         """{name: bytes} of every LoRA that checks out (what a worker's heartbeat lists)."""

@@ -20,12 +20,13 @@ from sdfarm.native.params import NAMES
 from sdfarm.native.upscale_params import UPSCALE_NAMES
 from sdfarm.native.video_params import VIDEO_NAMES
 
-PARAM_KEYS = tuple(
-    dict.fromkeys((*NAMES, *UPSCALE_NAMES, *VIDEO_NAMES, "kind", "frame", "model", "sd_version"))
-)
+_RECORDED = ("kind", "frame", "model", "model_hash", "lora_hashes", "drawn_size", "sd_version")
+PARAM_KEYS = tuple(dict.fromkeys((*NAMES, *UPSCALE_NAMES, *VIDEO_NAMES, *_RECORDED)))
 """What the chunk records: every job parameter (sdfarm.native.params, and an upscale's,
 sdfarm.native.upscale_params, its image by digest; a video's, sdfarm.native.video_params, and
-the frame's index), the model and the runtime version."""
+the frame's index), the model with its short hashes (sdfarm.native.filehash), the size the
+runtime drew when it was cropped to the asked one (sdfarm.native.drawsize) and the runtime
+version."""
 
 
 def png_bytes(image: Image.Image, params: Mapping[str, Any], compress_level: int = 1) -> bytes:

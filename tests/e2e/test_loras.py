@@ -5,16 +5,20 @@ LoRA's file, no log record names its path, and a LoRA no worker has is refused a
 
 from __future__ import annotations
 
+import io
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from PIL import Image
 
 from sdfarm.client.farm import Farm
 from sdfarm.native.engine import Engine
 from sdfarm.native.errors import InvalidParameterError
+from sdfarm.native.filehash import lora_hash, model_hash
 from sdfarm.native.loras import LoraCatalog, lora_dirs
+from sdfarm.native.png import read_params
 from sdfarm.native.testmodel import TEST_LORA
 
 from helpers.gateway import cpu_farm
@@ -49,6 +53,20 @@ def test_a_lora_changes_the_image_and_leaves_no_trace(client: Farm) -> None:
     assert png() == plain  # after LoRA jobs the engine's weights are as they were
     models = client.models()
     assert [m["name"] for m in models] == ["tiny-f16", "tiny-q8_0"]  # loras/ is not a model
+
+
+def test_the_farms_png_names_the_model_and_lora_by_hash(client: Farm, models_dir: Path) -> None:
+    """The worker's PNG carries the engine's hashes (tests/e2e/test_file_hashes.py checks them
+    against hashlib): A1111's Model hash and Lora hashes in `parameters`, both in our chunk."""
+    data = client.submit(MODEL, "a lora test", **SMALL, loras=[f"{TEST_LORA}:1.0"]).result(60).png
+    chunk = read_params(data)
+    lora = LoraCatalog(lora_dirs([models_dir])).load(TEST_LORA)
+    assert chunk["lora_hashes"] == {TEST_LORA: lora_hash(lora.path)}
+    assert chunk["model_hash"] == model_hash(models_dir / MODEL / "dit.safetensors")
+    with Image.open(io.BytesIO(data)) as im:
+        text = im.text["parameters"]
+    assert f"Model hash: {chunk['model_hash']}, Model: {MODEL}," in text
+    assert f'Lora hashes: "{TEST_LORA}: {chunk["lora_hashes"][TEST_LORA]}"' in text
 
 
 def test_the_estimate_counts_the_lora_and_its_path_stays_out_of_the_logs(
