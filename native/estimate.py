@@ -210,6 +210,7 @@ class ModelFacts:
             return self
         return replace(self, decode_per_pixel=TAESD_DECODE_BYTES_PER_PIXEL)
 
+
 def model_facts(model: Any, device: Device, decoder: str = "") -> ModelFacts:
     """The facts of a loaded or loadable `Model` (sdfarm.native.model) on `device`, for an
     engine decoding with `decoder` (vae or taesd; "": the model's own,
