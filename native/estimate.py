@@ -69,6 +69,9 @@ class ModelFacts:
     size_multiple: int = SIZE_STEP
     """The multiple the runtime rounds a size up to for this model (64 for a UNet,
     sdfarm.native.drawsize): it draws, and holds, the rounded size."""
+    decode_attention: bool = False
+    """The engine decodes with a full VAE, whose middle block attends over every latent cell
+    (`decode_attention_bytes`); TAESD has no attention."""
 
     def estimate(
         self,
@@ -90,9 +93,11 @@ class ModelFacts:
         per_pixel = self.decode_per_pixel * (2 if encodes else 1)
         control = self.control_working(int(width), int(height))
         if tiled:
+            side_w, side_h = min(int(width), VAE_TILE_PIXELS), min(int(height), VAE_TILE_PIXELS)
             return (
                 self.context
                 + control
+                + self.attention_beyond(side_w, side_h)
                 + memory.tiled_estimate_bytes(
                     self.bytes + extra_bytes,
                     int(width),
@@ -105,6 +110,7 @@ class ModelFacts:
         return (
             self.context
             + control
+            + self.attention_beyond(int(width), int(height))
             + memory.estimate_bytes(
                 self.bytes + extra_bytes,
                 int(width),
@@ -112,6 +118,16 @@ class ModelFacts:
                 nw * nh,
                 decode_per_pixel=per_pixel,
             )
+        )
+
+    def attention_beyond(self, width: int, height: int) -> int:
+        """What the VAE's attention at `width` x `height` needs beyond the decode's per-pixel
+        term (`decode_attention_bytes` less `decode_per_pixel` x pixels: the runtime's
+        compute buffer is reused, so the larger of the two stages sets the peak)."""
+        if not self.decode_attention:
+            return 0
+        return max(
+            0, decode_attention_bytes(width, height) - width * height * self.decode_per_pixel
         )
 
     def video_estimate(self, width: int, height: int, frames: int, encodes: bool = False) -> int:
@@ -154,6 +170,7 @@ class ModelFacts:
             **({"context": self.context} if self.context else {}),
             **({"decoders": list(self.decoders)} if self.decoders else {}),
             **({"size_multiple": self.size_multiple} if self.size_multiple != SIZE_STEP else {}),
+            **({"decode_attention": True} if self.decode_attention else {}),
         }
         if self.video:
             doc["video"] = self.video
@@ -172,6 +189,7 @@ class ModelFacts:
             int(doc.get("context") or 0),
             tuple(str(d) for d in doc.get("decoders") or ()),
             int(doc.get("size_multiple") or SIZE_STEP),
+            bool(doc.get("decode_attention")),
         )
 
     @classmethod
@@ -191,6 +209,7 @@ class ModelFacts:
             max(f.context for f in facts),
             tuple(d for d in facts[0].decoders if all(d in f.decoders for f in facts)),
             max(f.size_multiple for f in facts),
+            any(f.decode_attention for f in facts),
         )
 
     def with_extras(self, extra_bytes: int, control_heads: int = 0) -> ModelFacts:
@@ -208,7 +227,7 @@ class ModelFacts:
         decoder's)."""
         if decoder != "taesd":
             return self
-        return replace(self, decode_per_pixel=TAESD_DECODE_BYTES_PER_PIXEL)
+        return replace(self, decode_per_pixel=TAESD_DECODE_BYTES_PER_PIXEL, decode_attention=False)
 
 
 def model_facts(model: Any, device: Device, decoder: str = "") -> ModelFacts:
@@ -229,6 +248,7 @@ def model_facts(model: Any, device: Device, decoder: str = "") -> ModelFacts:
         context=context_bytes(device),
         decoders=decoders,
         size_multiple=size_multiple(getattr(model, "architecture", "")),
+        decode_attention="vae" in decoders and own(decoders) == "vae",
     )
     return facts.with_decoder(decoder)
 
@@ -270,6 +290,20 @@ def use_vae_conv_direct(decoder: str, device: str) -> bool:
     if forced in ("0", "1"):
         return forced == "1"
     return decoder != "taesd" and use_conv_direct(device)
+
+
+def decode_attention_bytes(width: int, height: int) -> int:
+    """The f32 scores of the full VAE's middle-block self-attention decoding `width` x `height`
+    at once: one head over every latent cell, (cells)² x 4 bytes, cells = (w/8) x (h/8) (a VAE
+    that scales by 16 has a quarter of the cells: cautious there). The runtime runs it without
+    flash attention, so it grows with the square of the pixels: 64 MiB at 512x512, 1 GiB at
+    1024x1024, 16 GiB at 2048x2048, 256 GiB at 4096x4096. Measured on the H200 through Vulkan
+    (2026-12-01, bench/results/gpu/vulkan-coopmat-vae-tiling-4096-off.json): the untiled decode
+    of 4096x4096 by the SD-Turbo-class VAE asked for a compute buffer of 277,570,650,144 bytes
+    (this term is 274,877,906,944 of it) and failed, where the estimate without it said 50.8 GiB.
+    A tiled decode holds one tile's."""
+    cells = (-(-int(width) // 8)) * (-(-int(height) // 8))
+    return cells * cells * 4
 
 
 TAESD_DECODE_BYTES_PER_PIXEL = 0
