@@ -7,11 +7,7 @@ on or silently change is refused before any native call, the engine usable after
 
 from __future__ import annotations
 
-import hashlib
 import io
-import json
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -24,22 +20,11 @@ from sdfarm.native.errors import InvalidParameterError, ModelLoadError
 from sdfarm.native.video import NO_PROMPT_WARNING
 from sdfarm.native.video_params import VideoParams
 
-from helpers.videomodels import fake_wan
+from helpers.videomodels import digest, digest_in_child, fake_wan
 
 pytestmark = pytest.mark.e2e
 
 SMALL = {"width": 48, "height": 32, "frames": 5, "steps": 1, "cfg_scale": 1.0}
-CHILD = """
-import hashlib, json, sys
-from sdfarm.native.engine import Engine
-with Engine.load(sys.argv[1], device="cpu", threads=2) as engine:
-    r = engine.video(**json.loads(sys.argv[2]))
-print(hashlib.sha256(b"".join(f.tobytes() for f in r.frames)).hexdigest())
-"""
-
-
-def digest(frames: list[Image.Image]) -> str:
-    return hashlib.sha256(b"".join(f.tobytes() for f in frames)).hexdigest()
 
 
 @pytest.fixture(scope="module")
@@ -70,13 +55,9 @@ def test_frames_and_webp_are_as_asked(first: Any) -> None:
 def test_the_same_seed_gives_the_same_frames_in_another_process(
     engine: Engine, first: Any, wan_model: Path
 ) -> None:
-    args = json.dumps({"prompt": "a cat", "seed": 42, **SMALL})
-    child = subprocess.run(
-        [sys.executable, "-c", CHILD, str(wan_model), args],
-        capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert child.returncode == 0, child.stderr[-2000:]
-    assert child.stdout.strip() == digest(first.frames)
+    assert digest_in_child(wan_model, {"prompt": "a cat", "seed": 42, **SMALL}) == digest(
+        first.frames
+    )
     other = engine.video(prompt="a cat", seed=43, **SMALL)
     assert digest(other.frames) != digest(first.frames)
     # without a text encoder the runtime conditions on nothing: the prompt changes nothing

@@ -7,39 +7,24 @@ misuse is refused before any load, all before any native call."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import shutil
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from PIL import Image
 
 from sdfarm.native.engine import Engine, LogConfig
 from sdfarm.native.errors import InvalidParameterError, ModelLoadError
 from sdfarm.native.model import Model
 from sdfarm.native.wantestmodel import HIGH_NOISE_FILE
 
-from helpers.videomodels import fake_wan
+from helpers.videomodels import digest, digest_in_child, fake_wan
 
 pytestmark = pytest.mark.e2e
 
 SMALL = {"width": 32, "height": 32, "frames": 5, "cfg_scale": 1.0, "seed": 7}
-CHILD = """
-import hashlib, json, sys
-from sdfarm.native.engine import Engine, LogConfig
-with Engine.load(sys.argv[1], device="cpu", threads=2) as engine:
-    r = engine.video(**json.loads(sys.argv[2]))
-print(hashlib.sha256(b"".join(f.tobytes() for f in r.frames)).hexdigest())
-"""
-
-
-def digest(frames: list[Image.Image]) -> str:
-    return hashlib.sha256(b"".join(f.tobytes() for f in frames)).hexdigest()
 
 
 @pytest.fixture(scope="module")
@@ -78,13 +63,9 @@ def test_the_same_inputs_give_the_same_frames_in_another_process(
     meta = switched.metadata
     assert meta["video_model"] == "Wan2.1-T2V-1.3B" and meta["experts"] == 2
     assert meta["high_noise_steps"] == 1 and len(switched.frames) == 5
-    args = json.dumps({"prompt": "x", "steps": 1, "high_noise_steps": 1, **SMALL})
-    child = subprocess.run(
-        [sys.executable, "-c", CHILD, str(moe_model), args],
-        capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert child.returncode == 0, child.stderr[-2000:]
-    assert child.stdout.strip() == digest(switched.frames)
+    assert digest_in_child(
+        moe_model, {"prompt": "x", "steps": 1, "high_noise_steps": 1, **SMALL}
+    ) == digest(switched.frames)
 
 
 def test_moving_the_switch_changes_the_frames(pair: Engine, switched: Any) -> None:

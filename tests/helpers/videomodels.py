@@ -1,12 +1,41 @@
-"""A fake Wan model for refusal tests: the tensor names of a Wan2.1 DiT with any layer count,
-one float each (the header check reads names only; the runtime would abort on such a model)."""
+"""Video test helpers: a fake Wan model for refusal tests (the tensor names of a Wan2.1 DiT with
+any layer count, one float each: the header check reads names only; the runtime would abort on
+such a model), and the frames' digest, in this process or in a fresh one (the same job must
+give the same frames across processes)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
+from PIL import Image
+
+CHILD = """
+import hashlib, json, sys
+from sdfarm.native.engine import Engine
+with Engine.load(sys.argv[1], device="cpu", threads=2) as engine:
+    r = engine.video(**json.loads(sys.argv[2]))
+print(hashlib.sha256(b"".join(f.tobytes() for f in r.frames)).hexdigest())
+"""
+
+
+def digest(frames: list[Image.Image]) -> str:
+    """The SHA-256 of the frames' pixels, in order."""
+    return hashlib.sha256(b"".join(f.tobytes() for f in frames)).hexdigest()
+
+
+def digest_in_child(model: Path, params: dict) -> str:
+    """`digest` of the frames a fresh process makes of `params` with the model in `model`."""
+    child = subprocess.run(
+        [sys.executable, "-c", CHILD, str(model), json.dumps(params)],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert child.returncode == 0, child.stderr[-2000:]
+    return child.stdout.strip()
 
 
 def fake_wan(folder: Path, layers: int) -> Path:
