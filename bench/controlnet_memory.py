@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -116,18 +115,10 @@ def main() -> int:
                 continue
             cmd = [sys.executable, __file__, "--child", models, kind, str(size),
                    "--device", args.device]  # fmt: skip
-            try:
-                stdout, peak_gpu = gpupeak.run_sampled(cmd, args.device)
-            except subprocess.CalledProcessError as exc:
-                print(f"{kind} {size}: failed: {(exc.stderr or '')[-800:]}", flush=True)
-                rows.append({"kind": kind, "size": f"{size}x{size}", "failed": True,
-                             "covered": False})  # fmt: skip
+            row = gpupeak.run_row(cmd, args.device, {"kind": kind, "size": f"{size}x{size}"})
+            if row.get("failed"):
+                rows.append(row)
                 continue
-            row = json.loads(stdout.strip().splitlines()[-1])
-            if peak_gpu is not None:  # on a GPU the estimate is for the device's memory
-                row["peak_rss_host"], row["peak_rss"] = row["peak_rss"], peak_gpu
-                row["covered"] = row["estimate"] >= peak_gpu
-                row["estimate_over_peak"] = round(row["estimate"] / max(1, peak_gpu), 2)
             rows.append(row)
             cn = (
                 f"  ControlNet runtime {row['controlnet_runtime_mib']} MiB, ours "

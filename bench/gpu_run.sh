@@ -500,6 +500,19 @@ build_options() {
     fi
 }
 
+# The farm at 4 steps on CUDA: 1024 with N = 1, 2 engines; with TAESD (N = 2) at 512 and 1024.
+cuda_4steps() {
+    stage 60 engines-1024-4steps bench/farm_engines.py --device CUDA0 --model "$MODEL" \
+        --engines 1,2 --jobs 12 --size 1024 --steps 4 --timeout 120 \
+        --out "$OUT/cuda/cuda-farm-engines-1024-4steps.json"
+    for c in "512 30" "1024 12"; do
+        set -- $c
+        stage 50 "taesd-$1-4steps" bench/farm_engines.py --device CUDA0 --model "$TAESD" \
+            --decoder taesd --engines 2 --jobs "$2" --size "$1" --steps 4 --timeout 120 \
+            --out "$OUT/cuda/cuda-farm-engines-taesd-$1-4steps.json"
+    done
+}
+
 # Issues #15 and #12 on CUDA: the default build (and sd-cli) first with every core, the
 # CUDA-graphs variant behind it at the lowest priority; while the variant compiles, a LoRA's
 # GPU peak against its estimate (bench/lora_memory.py, the rank-64 LoRA of the full-size
@@ -515,15 +528,7 @@ cudaopts() {
     mkdir -p "$OUT/cuda"
     stage 70 lora bench/lora_memory.py --model "$MODEL" --lora sd-turbo-lora --device CUDA0 \
         --sizes 512,1024 --out "$OUT/cuda/cuda-lora-memory.json"
-    stage 60 engines-1024-4steps bench/farm_engines.py --device CUDA0 --model "$MODEL" \
-        --engines 1,2 --jobs 12 --size 1024 --steps 4 --timeout 120 \
-        --out "$OUT/cuda/cuda-farm-engines-1024-4steps.json"
-    for c in "512 30" "1024 12"; do
-        set -- $c
-        stage 40 "taesd-$1-4steps" bench/farm_engines.py --device CUDA0 --model "$TAESD" \
-            --decoder taesd --engines 2 --jobs "$2" --size "$1" --steps 4 --timeout 120 \
-            --out "$OUT/cuda/cuda-farm-engines-taesd-$1-4steps.json"
-    done
+    cuda_4steps
     variant_wait
     build_options
     nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader || true
@@ -544,15 +549,7 @@ vulkan_farm() {
 cudamore() {
     ensure
     mkdir -p "$OUT/cuda"
-    stage 60 engines-1024-4steps bench/farm_engines.py --device CUDA0 --model "$MODEL" \
-        --engines 1,2 --jobs 12 --size 1024 --steps 4 --timeout 120 \
-        --out "$OUT/cuda/cuda-farm-engines-1024-4steps.json"
-    for c in "512 30" "1024 12"; do
-        set -- $c
-        stage 50 "taesd-$1-4steps" bench/farm_engines.py --device CUDA0 --model "$TAESD" \
-            --engines 2 --jobs "$2" --size "$1" --steps 4 --timeout 120 \
-            --out "$OUT/cuda/cuda-farm-engines-taesd-$1-4steps.json"
-    done
+    cuda_4steps
     local g; g=$($PY -c "import json; print(json.load(open('$VARIANT_JSON'))['directory'])")
     stage 150 build-options-2 bench/build_options.py --model "$MODEL" --device CUDA0 \
         --sizes 512,1024 --images 6 --variant "graphs=$g" --variant "cublas-f16=$CUDA_DIR:GGML_CUDA_FORCE_CUBLAS_COMPUTE_16F=1" \

@@ -5,10 +5,12 @@ another device, the child runs unsampled."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
 import threading
+from typing import Any
 
 
 def gpu_index(device: str) -> str | None:
@@ -57,3 +59,23 @@ def run_sampled(cmd: list[str], device: str) -> tuple[str, int | None]:
     finally:
         stop.set()
     return out.stdout, (peak[0] - base) * 2**20 if base is not None else None
+
+
+def run_row(cmd: list[str], device: str, failed: dict[str, Any]) -> dict[str, Any]:
+    """One memory case: run `cmd` (a child that prints its row as JSON on its last line, with
+    `peak_rss` and `estimate`) sampled on `device`. On a GPU the device's peak becomes the
+    row's `peak_rss` (the figure the estimate is for there; the host's moves to
+    `peak_rss_host`, also kept as `peak_gpu`), with `covered` and `estimate_over_peak`
+    recomputed. A child that fails gives `failed` with `"failed": True, "covered": False`,
+    its error's tail printed."""
+    try:
+        stdout, peak_gpu = run_sampled(cmd, device)
+    except subprocess.CalledProcessError as exc:
+        print(f"{failed}: failed: {(exc.stderr or '')[-800:]}", flush=True)
+        return {**failed, "failed": True, "covered": False}
+    row = json.loads(stdout.strip().splitlines()[-1])
+    if peak_gpu is not None:
+        row["peak_rss_host"], row["peak_rss"], row["peak_gpu"] = row["peak_rss"], peak_gpu, peak_gpu
+        row["covered"] = row["estimate"] >= peak_gpu
+        row["estimate_over_peak"] = round(row["estimate"] / max(1, peak_gpu), 2)
+    return row

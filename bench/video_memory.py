@@ -90,15 +90,7 @@ def run_case(w: int, h: int, frames: int, device: str, model: str, variant: str)
     """A case in a child process; on CUDA, its GPU peak sampled from here."""
     cmd = [sys.executable, __file__, "--child", str(w), str(h), str(frames), "--device", device,
            "--model", model, "--variant", variant]  # fmt: skip
-    stdout, peak_gpu = gpupeak.run_sampled(cmd, device)
-    row = json.loads(stdout.strip().splitlines()[-1])
-    if peak_gpu is not None:
-        row["peak_rss_host"] = row["peak_rss"]
-        row["peak_gpu"] = peak_gpu
-        row["peak_rss"] = row["peak_gpu"]  # the figure the estimate is for on a GPU
-        row["covered"] = row["estimate"] >= row["peak_gpu"]
-        row["estimate_over_peak"] = round(row["estimate"] / max(1, row["peak_gpu"]), 2)
-    return row
+    return gpupeak.run_row(cmd, device, {"size": f"{w}x{h}", "frames": frames})
 
 
 def main() -> int:
@@ -126,13 +118,10 @@ def main() -> int:
         if args.deadline is not None and time.monotonic() - t0 > args.deadline:
             print(f"{w}x{h}x{frames}: skipped (deadline)", flush=True)
             continue
-        try:
-            row = run_case(w, h, frames, args.device, model, args.variant)
-        except subprocess.CalledProcessError as exc:
-            print(f"{w}x{h}x{frames}: failed: {(exc.stderr or '')[-800:]}", flush=True)
-            rows.append({"size": f"{w}x{h}", "frames": frames, "failed": True, "covered": False})
-            continue
+        row = run_case(w, h, frames, args.device, model, args.variant)
         rows.append(row)
+        if row.get("failed"):
+            continue
         print(
             f"{row['size']:>8} x {row['frames']:>2} frames  peak {row['peak_rss'] / 2**20:7.1f} "
             f"MiB  estimate {row['estimate'] / 2**20:7.1f} MiB  x{row['estimate_over_peak']}  "
