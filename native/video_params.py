@@ -197,6 +197,15 @@ def validate(params: VideoParams) -> VideoParams:
         )
     if checked["end_image"] is not None:
         check_end_size(checked["end_image"], checked["width"], checked["height"])
+    if checked["moe_boundary"] <= 0 and checked["high_noise_steps"] == SWITCH_AT_BOUNDARY:
+        # The runtime switches at the first sigma below the boundary; none is below 0, so it
+        # would never run the high-noise expert, the opposite of what a boundary of 0 says.
+        raise InvalidParameterError(
+            "moe_boundary",
+            "0 would never switch the high-noise expert on (the runtime switches at the first "
+            "sigma below it); ask a boundary above 0, or high_noise_steps = steps for the "
+            "high-noise expert throughout",
+        )
     total = checked["frames"] * checked["width"] * checked["height"]
     if total > MAX_VIDEO_PIXELS:
         raise InvalidParameterError(

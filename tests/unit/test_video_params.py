@@ -178,6 +178,10 @@ def test_the_high_noise_parameters_are_checked_and_need_a_pair() -> None:
         {"high_noise_sampler": "nope"},
     ):
         assert refused(**bad).parameter == next(iter(bad))
+    # A boundary of 0 never switches the high-noise expert on in the runtime: refused, unless
+    # high_noise_steps says how many steps it runs (then the boundary is not read).
+    assert "never switch" in str(refused(moe_boundary=0.0))
+    assert ok(moe_boundary=0.0, high_noise_steps=2).moe_boundary == 0.0
     t2v = describe(header(dit()), text_encoder=False)
     assert t2v is not None and not t2v.moe
     t2v.check(ok())
