@@ -24,6 +24,7 @@
 #                                   # graphs); LoRA peak vs estimate; 1024 x 4 steps; TAESD 4 steps
 #   bash bench/gpu_run.sh vulkan    # the carried Vulkan build with cooperative-matrix shaders:
 #                                   # speed, 4096x4096 under a 40 GiB figure, the farm per N
+#   bash bench/gpu_run.sh vkcheck   # the VAE-attention estimate at 2048 and 4096 on Vulkan
 #
 # Carried: .whl/*.whl (our dependencies and pytest for python3.12), .carry/{redis-server,
 # stable_diffusion_cpp_python-0.4.7.tar.gz}; for the Vulkan stages also .gl/*.deb (Vulkan
@@ -534,6 +535,25 @@ cudaopts() {
     nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader || true
 }
 
+# The VAE-attention term of the estimate against the GPU (Vulkan draws the UNet at 2048 and
+# 4096, CUDA cannot): 2048x2048 untiled and tiled, then 4096x4096 `auto` on the H200's own
+# figure, which the untiled estimate (306.8 GiB with the term) now exceeds.
+vkcheck() {
+    prep
+    models_start
+    models_wait
+    if [ ! -e "$VKRT/build.json" ] || ! models_ready; then say "no Vulkan build or models"; exit 3; fi
+    mkdir -p "$OUT/vulkan"
+    say "vae_tiling.py 2048x2048 off, on"
+    timeout 200 $PY bench/vae_tiling.py "$MODEL" --sizes 2048 --modes off on --device vulkan \
+        --runtime-dir "$VKRT" --log-level info --timeout 90 \
+        --out "$OUT/vulkan/vae-tiling-2048-attention.json"
+    say "vae_tiling.py 4096x4096 auto on the H200's own figure"
+    timeout 200 $PY bench/vae_tiling.py "$MODEL" --sizes 4096 --modes auto --device vulkan \
+        --runtime-dir "$VKRT" --log-level info --timeout 180 \
+        --out "$OUT/vulkan/vae-tiling-4096-auto-h200.json"
+}
+
 vulkan_farm() {
     for c in "512 1 40 1,2" "1024 1 16 1,2" "512 4 30 2" "1024 4 12 2"; do
         set -- $c
@@ -589,8 +609,8 @@ vulkan() {
 case "$PHASE" in
     setup | bench1 | bench2) ;;
     cuda_recheck | cudafarm | overhead | speedbatch | gputests | cpu1024 | twogpu) ;;
-    features | tiling | peer | tilingpeer | decodefarm | lanes | extras | cudaopts | cudamore | vulkan) ;;
-    *) echo "usage: bash bench/gpu_run.sh setup|bench1|bench2|cuda_recheck|cudafarm|overhead|speedbatch|gputests|cpu1024|twogpu|features|tiling|peer|tilingpeer|decodefarm|lanes|extras|cudaopts|vulkan" >&2; exit 2 ;;
+    features | tiling | peer | tilingpeer | decodefarm | lanes | extras | cudaopts | cudamore | vulkan | vkcheck) ;;
+    *) echo "usage: bash bench/gpu_run.sh setup|bench1|bench2|cuda_recheck|cudafarm|overhead|speedbatch|gputests|cpu1024|twogpu|features|tiling|peer|tilingpeer|decodefarm|lanes|extras|cudaopts|cudamore|vulkan|vkcheck" >&2; exit 2 ;;
 esac
 set -o pipefail
 mkdir -p "$OUT"
