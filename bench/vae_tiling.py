@@ -24,6 +24,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import subprocess
 import sys
 import time
@@ -137,7 +138,10 @@ def measure(spec: dict[str, Any], env: dict[str, str], timeout: float) -> dict[s
     lines = [x for x in out.splitlines() if x.startswith("@@vae_tiling ")]
     row: dict[str, Any] = json.loads(lines[-1].split(" ", 1)[1]) if lines else {}
     if not lines:
+        # An abort's cause comes before its backtrace: keep the lines that say what failed.
+        said = [x for x in err.splitlines() if re.search(r"error|abort|assert|fail", x, re.I)]
         row["error"] = f"child exited {proc.returncode} without a result: {err[-1500:]}"
+        row["error_lines"] = [x[:300] for x in said[:8]]
     row["wall_s"] = round(time.monotonic() - t0, 3)
     if gpu is not None:
         row["gpu"] = gpu.summary()
