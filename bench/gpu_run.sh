@@ -544,10 +544,12 @@ vkcheck() {
     models_wait
     if [ ! -e "$VKRT/build.json" ] || ! models_ready; then say "no Vulkan build or models"; exit 3; fi
     mkdir -p "$OUT/vulkan"
-    say "vae_tiling.py 2048x2048 off, on"
-    timeout 200 $PY bench/vae_tiling.py "$MODEL" --sizes 2048 --modes off on --device vulkan \
+    say "vae_tiling.py ${VKCHECK_SIZES:-2048} ${VKCHECK_MODES:-off on}"
+    timeout 200 $PY bench/vae_tiling.py "$MODEL" --sizes ${VKCHECK_SIZES:-2048} \
+        --modes ${VKCHECK_MODES:-off on} --device vulkan \
         --runtime-dir "$VKRT" --log-level info --timeout 90 \
         --out "$OUT/vulkan/vae-tiling-2048-attention.json"
+    [ -n "${VKCHECK_SIZES:-}" ] && return
     say "vae_tiling.py 4096x4096 auto on the H200's own figure"
     timeout 200 $PY bench/vae_tiling.py "$MODEL" --sizes 4096 --modes auto --device vulkan \
         --runtime-dir "$VKRT" --log-level info --timeout 180 \

@@ -20,13 +20,13 @@ from typing import Any
 from PIL import Image
 
 from sdfarm.native import images, logs, memory
+from sdfarm.native.backendlimits import cuda_size_error, vulkan_attention_error
 from sdfarm.native.controlnets import (
     ARCH_CONTEXT,
     CONTROL_HEADS,
     ControlNetFile,
     unet_refusal,
 )
-from sdfarm.native.cudalimits import cuda_size_error
 from sdfarm.native.decoders import ctx_settings
 from sdfarm.native.decoders import resolve as resolve_decoder
 from sdfarm.native.devices import (
@@ -665,8 +665,11 @@ class Engine:
             )
         multiple = self.facts.size_multiple
         canvas = Canvas.of((params.width, params.height), params.final_size, multiple)
+        device, heads = self.capabilities_device, self.facts.control_heads
         for w, h in {canvas.drawn, canvas.final_drawn}:
-            if why := cuda_size_error(self.architecture, self.capabilities_device, w, h):
+            if why := cuda_size_error(self.architecture, device, w, h):
+                raise InvalidParameterError("width", why)
+            if why := vulkan_attention_error(device, w, h, heads, "ControlNet"):
                 raise InvalidParameterError("width", why)
         self._check_engine_extras(params)
         files = loras or {}
@@ -681,6 +684,7 @@ class Engine:
         lora_bytes = sum(files[name].size for name, _ in params.loras)
         if tiling is None:
             tiling = self.tiling_plan(params, lora_bytes + hires_bytes)
+        tiling = self._vulkan_decode(params, tiling, canvas.final_drawn, lora_bytes + hires_bytes)
         size_estimate = estimate or tiling.estimate
         limit = self._verdict.refuse_figure
         if self._verdict.action != "skip" and limit is not None and size_estimate > limit:
@@ -841,6 +845,22 @@ class Engine:
     ) -> int:
         """This engine's estimate of a width x height job (`ModelFacts.estimate`)."""
         return self.facts.estimate(width, height, encodes, extra_bytes, tiled)
+
+    def _vulkan_decode(
+        self, params: GenerationParams, plan: TilingPlan, drawn: tuple[int, int], extra: int
+    ) -> TilingPlan:
+        """`plan`, tiled when an untiled decode would abort the Vulkan build (the full VAE's
+        attention past its element limit: sdfarm.native.backendlimits), with a warning that
+        says why; InvalidParameterError naming `vae_tiling` when the job forbids tiling."""
+        if plan.tiled or not self.facts.decode_attention:
+            return plan
+        why = vulkan_attention_error(self.capabilities_device, *drawn, 1, "VAE")
+        if why is None:
+            return plan
+        if params.vae_tiling == "off":
+            raise InvalidParameterError("vae_tiling", f"{why}; decode it in tiles (auto or on)")
+        tiled = self.estimate_for(*params.final_size, params.encodes, extra, tiled=True)
+        return TilingPlan(True, tiled, f"decoded in tiles: {why}")
 
     def tiling_plan(self, params: GenerationParams, extra_bytes: int = 0) -> TilingPlan:
         """How this engine decodes `params` when no farm planned it: `plan_tiling` against

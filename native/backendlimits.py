@@ -1,5 +1,8 @@
-"""Sizes the CUDA build of the pinned runtime cannot draw with a given architecture: refused
-before the native call, since the runtime aborts the whole process on them (docs/crashers.md).
+"""Sizes the GPU builds of the pinned runtime cannot draw: refused (or, where tiling avoids
+them, tiled) before the native call, since the runtime aborts the whole process on them
+(docs/crashers.md).
+
+CUDA:
 
 Measured on the H200 (bench/cuda_size_limit.py, bench/results/gpu/cuda-size-limit.json): the
 SD 2.x UNet with flash attention (which the engine always sets) draws 1024, 1280, 1536 and
@@ -40,4 +43,34 @@ def cuda_size_error(architecture: str, device: str, width: int, height: int) -> 
         f"{architecture} UNet, over the {GRID_ROWS:,} the runtime's CUDA build can take: it "
         "aborts the process there (docs/crashers.md). Ask at most 65,535 rows (2040x2040 "
         "square, or 1792x2304), or run the job on a CPU or Vulkan device"
+    )
+
+
+VULKAN_MAX_ELEMENTS = 2**32 - 1
+"""The most elements ggml's Vulkan backend takes in one elementwise operation: its push
+constants count them in 32 bits (`vk_op_unary_push_constants_init`, ggml-vulkan.cpp:
+`GGML_ASSERT(ne <= UINT32_MAX)`, which aborts the process)."""
+
+
+def vulkan_attention_error(
+    device: str, width: int, height: int, heads: int, what: str
+) -> str | None:
+    """Why an attention the runtime computes without flash attention (the full VAE's middle
+    block: one head; a ControlNet's: its heads) cannot run on `device` at `width` x `height`,
+    or None. Its scores are one tensor of heads x cells x cells elements, cells the latent's
+    ((w/8) x (h/8)); past VULKAN_MAX_ELEMENTS the Vulkan build aborts. Measured on the H200
+    (2026-12-01, bench/results/gpu/vulkan-coopmat-vae-tiling-2048-attention.json): the
+    SD-Turbo-class VAE decoded 1024x1024 whole (2^28 elements) and aborted at 2048x2048
+    (65,536 cells: 2^32 elements) with that assert. A tiled decode's tiles stay far below it."""
+    if heads <= 0 or not device.upper().startswith("VULKAN"):
+        return None
+    cells = attention_rows(width, height)
+    elements = heads * cells * cells
+    if elements <= VULKAN_MAX_ELEMENTS:
+        return None
+    return (
+        f"{width}x{height} gives the {what}'s attention scores {elements:,} elements "
+        f"({heads} head(s) x {cells:,}^2 latent cells, without flash attention), over the "
+        f"{VULKAN_MAX_ELEMENTS:,} ggml's Vulkan backend takes in one operation: it aborts the "
+        "process there"
     )
