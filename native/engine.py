@@ -251,9 +251,7 @@ class Engine:
         self.last_call: dict[str, Any] = {}  # the last generation's parameters, read back
         self._lora_paths: dict[str, Path] = {}
         self._hires_path: Path | None = None
-        main = self.model.files.get("diffusion_model") or self.model.files.get("checkpoint")
-        # Once per file version on this host (sdfarm.native.filehash), never per job.
-        self.model_hash: str | None = model_hash(main.path) if main is not None else None
+        self.model_hash: str | None = None  # set once the runtime has loaded the model
 
         figs, planned = host_device(figures, backend, device, pinned)
         w, h = self.model.native_size
@@ -297,7 +295,7 @@ class Engine:
         self._pending.append(self._engine_record("info", f"fit plan: {self.fit.summary()}"))
         self._env_device(compute, figs, pinned)
         self.capabilities_device = compute.name
-        self.architecture = self.model.architecture  # for the sizes CUDA cannot draw (cudalimits)
+        self.architecture = self.model.architecture  # sizes a GPU build cannot draw
 
         started = time.monotonic()
         with Engine._native_lock:
@@ -314,6 +312,10 @@ class Engine:
                 records=errors,
             )
         self._pending.extend(raw)
+        # Once per file version on this host (sdfarm.native.filehash), never per job, and only
+        # for a model that loaded: a refused or broken file is never read through.
+        main = self.model.files.get("diffusion_model") or self.model.files.get("checkpoint")
+        self.model_hash = model_hash(main.path) if main is not None else None
         self.capabilities = Capabilities(
             backend=backend_name(figs),
             device=compute.name,
