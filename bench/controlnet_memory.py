@@ -139,12 +139,8 @@ def main() -> int:
         "q4_0 ControlNet",
         "device": args.device,
         "threads": 2,
-        "rows": rows,
-        "all_covered": all(r["covered"] for r in rows),
     }
-    if args.out:
-        Path(args.out).write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
-    return 0 if doc["all_covered"] else 1
+    return gpupeak.finish(doc, rows, args.out)
 
 
 if __name__ == "__main__":

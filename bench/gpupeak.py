@@ -10,6 +10,7 @@ import os
 import shutil
 import subprocess
 import threading
+from pathlib import Path
 from typing import Any
 
 
@@ -79,3 +80,13 @@ def run_row(cmd: list[str], device: str, failed: dict[str, Any]) -> dict[str, An
         row["covered"] = row["estimate"] >= peak_gpu
         row["estimate_over_peak"] = round(row["estimate"] / max(1, peak_gpu), 2)
     return row
+
+
+def finish(doc: dict[str, Any], rows: list[dict[str, Any]], out: str | None) -> int:
+    """A memory bench's end: `doc` with its `rows` and whether every estimate covered its
+    peak (`all_covered`), written as JSON to `out` when given; the exit status (0: all
+    covered)."""
+    doc = {**doc, "rows": rows, "all_covered": all(r["covered"] for r in rows)}
+    if out:
+        Path(out).write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
+    return 0 if doc["all_covered"] else 1
