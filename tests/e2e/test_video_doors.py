@@ -11,7 +11,6 @@ import io
 import json
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,6 +26,7 @@ from sdfarm.native.videofile import mp4_available
 from sdfarm.store import Store
 
 from helpers.gateway import served_gateway
+from helpers.videomodels import decode_mp4
 
 pytestmark = [
     pytest.mark.e2e,
@@ -58,18 +58,6 @@ def farm(wan_model: Path) -> Iterator[Any]:
 def client(farm: Any) -> Iterator[Farm]:
     with Farm(farm.url, submitter="video-doors") as f:
         yield f
-
-
-def decode_mp4(data: bytes) -> tuple[dict, list[bytes]]:
-    """(ffmpeg's metadata, the frames as RGB bytes) of MP4 bytes."""
-    import imageio_ffmpeg
-
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "v.mp4"
-        path.write_bytes(data)
-        reader = imageio_ffmpeg.read_frames(str(path))
-        meta = next(reader)
-        return meta, list(reader)
 
 
 def mean_abs_diff(a: bytes, b: bytes) -> float:

@@ -9,6 +9,7 @@ import hashlib
 import json
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -55,3 +56,15 @@ def fake_wan(folder: Path, layers: int) -> Path:
     manifest = {"files": {"diffusion_model": "dit.gguf"}, "native_size": [64, 64]}
     (folder / "model.json").write_text(json.dumps(manifest), encoding="utf-8")
     return folder
+
+
+def decode_mp4(data: bytes) -> tuple[dict, list[bytes]]:
+    """(ffmpeg's metadata, the frames as RGB bytes) of MP4 bytes (needs the `video` extra)."""
+    import imageio_ffmpeg
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "v.mp4"
+        path.write_bytes(data)
+        reader = imageio_ffmpeg.read_frames(str(path))
+        meta = next(reader)
+        return meta, list(reader)

@@ -6,9 +6,6 @@ signature good, tampered and expired."""
 
 from __future__ import annotations
 
-import tempfile
-from pathlib import Path
-
 import pytest
 from PIL import Image
 
@@ -25,6 +22,8 @@ from sdfarm.native.videofile import (
     mp4_available,
 )
 
+from helpers.videomodels import decode_mp4
+
 JOB = "0123456789abcdef0123456789abcdef"
 
 
@@ -32,18 +31,6 @@ def frames(n: int, size: tuple[int, int], shift: int = 0) -> list[Image.Image]:
     return [
         Image.new("RGB", size, ((40 * i + shift) % 256, 120, (200 - shift) % 256)) for i in range(n)
     ]
-
-
-def decode(data: bytes) -> tuple[dict, list[bytes]]:
-    """(ffmpeg's metadata, the frames as RGB bytes) of MP4 bytes."""
-    import imageio_ffmpeg
-
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "v.mp4"
-        path.write_bytes(data)
-        reader = imageio_ffmpeg.read_frames(str(path))
-        meta = next(reader)
-        return meta, list(reader)
 
 
 def test_mp4_without_its_library_is_refused_naming_the_extra() -> None:
@@ -92,7 +79,7 @@ def test_an_mp4_decodes_to_the_frames_and_depends_on_them() -> None:
     clip = frames(9, (48, 32))
     data = mp4(clip, 8)
     assert format_of(data) == "mp4"
-    meta, decoded = decode(data)
+    meta, decoded = decode_mp4(data)
     assert meta["size"] == (48, 32) and meta["fps"] == 8.0 and len(decoded) == 9
     # lossy, but close: each decoded frame's mean colour is its source's
     for source, got in zip(clip, decoded, strict=True):
@@ -100,7 +87,7 @@ def test_an_mp4_decodes_to_the_frames_and_depends_on_them() -> None:
         assert abs(red - source.getpixel((0, 0))[0]) < 8
     assert mp4(clip, 8) == data  # the same frames, the same bytes
     assert mp4(frames(9, (48, 32), shift=90), 8) != data
-    assert len(decode(mp4(clip[:5], 8))[1]) == 5
+    assert len(decode_mp4(mp4(clip[:5], 8))[1]) == 5
 
 
 def test_a_result_names_its_video_by_format() -> None:
