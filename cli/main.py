@@ -71,6 +71,18 @@ def fail(args: argparse.Namespace, exc: BaseException, out: Any = None) -> int:
     return exit_code(exc)
 
 
+def add_one_job_flags(p: argparse.ArgumentParser) -> None:
+    """The flags of a one-job command run by `run_one_job` (`upscale`, `video`): where it
+    runs (a farm, or in this process on a device) and how its answer is printed."""
+    p.add_argument("--in-process", action="store_true", help="run it here, without a farm")
+    p.add_argument("--redis", default=None, help="the farm's Redis URL")
+    p.add_argument("--device", default="auto", help="--in-process: auto, gpu, cpu or a name")
+    p.add_argument("--no-check-memory", action="store_true", help="--in-process: no check")
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--timeout", type=float, default=3600.0, help="seconds to wait for the job")
+    p.add_argument("--json", action="store_true")
+
+
 def run_one_job(
     args: argparse.Namespace,
     checked: Callable[[], Any],

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from sdfarm.cli.main import run_one_job
+from sdfarm.cli.main import add_one_job_flags, run_one_job
 from sdfarm.cli.options import add_option_flags, add_upscale_flags, given_options, given_upscale
 
 
@@ -27,13 +27,7 @@ def add_upscale_command(sub: Any) -> None:
     )
     p.add_argument("-o", "--output", default="upscaled.png")
     add_option_flags(p, "log_level", "priority", "deadline_s")
-    p.add_argument("--in-process", action="store_true", help="run it here, without a farm")
-    p.add_argument("--redis", default=None, help="the farm's Redis URL")
-    p.add_argument("--device", default="auto", help="--in-process: auto, gpu, cpu or a name")
-    p.add_argument("--no-check-memory", action="store_true", help="--in-process: no check")
-    p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--timeout", type=float, default=3600.0, help="seconds to wait for the job")
-    p.add_argument("--json", action="store_true")
+    add_one_job_flags(p)
     p.set_defaults(func=cmd_upscale)
 
 
