@@ -24,7 +24,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 from PIL import Image
 
 from sdfarm.native.params import SIZE_STEP
@@ -83,15 +82,27 @@ class Canvas:
 
     def pad(self, raw: bytes, channels: int, mask: bool = False) -> bytes:
         """Pixels of the asked first-pass size (8-bit, `channels` a pixel) put at the centre
-        of the drawn size, the border repeated outward (a mask's padding is 0: keep)."""
+        of the drawn size, the border repeated outward (a mask's padding is 0: keep).
+        Plain bytes, no numpy: numpy imported before a load crashes the runtime on some hosts
+        (docs/gpu.md), and this module is imported by the engine."""
         (w, h), (dw, dh) = self.asked, self.drawn
         if (w, h) == (dw, dh):
             return raw
-        a = np.frombuffer(raw, dtype=np.uint8).reshape(h, w, channels)
         left, top = (dw - w) // 2, (dh - h) // 2
-        widths = ((top, dh - h - top), (left, dw - w - left), (0, 0))
-        out = np.pad(a, widths, mode="constant") if mask else np.pad(a, widths, mode="edge")
-        return out.tobytes()
+        right, bottom = dw - w - left, dh - h - top
+        stride = w * channels
+        rows = []
+        for y in range(h):
+            row = raw[y * stride : (y + 1) * stride]
+            if mask:
+                first = last = bytes(channels)
+            else:
+                first, last = row[:channels], row[-channels:]
+            rows.append(first * left + row + last * right)
+        blank = bytes(dw * channels)
+        head = [blank if mask else rows[0]] * top
+        tail = [blank if mask else rows[-1]] * bottom
+        return b"".join(head + rows + tail)
 
     def warning(self, model: str, multiple: int, drawn: tuple[int, int]) -> str:
         """The job's warning when the runtime drew `drawn`, more than the final size asked."""
