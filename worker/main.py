@@ -221,9 +221,19 @@ def build_config(args: argparse.Namespace) -> Any:
     )
     engines = args.engines if isinstance(args.engines, int) else parse_engines(args.engines)
     if engines == "auto":
-        engines = auto_engines(device.type, cache_capacity(config), largest_model(config))
+        engines = auto_engines(
+            device.type, cache_capacity(config), largest_model(config), mps=cuda_mps(device)
+        )
     config.engines = int(engines)
     return config
+
+
+def cuda_mps(device: Any) -> bool:
+    """Whether `device` is a CUDA GPU whose processes would be MPS clients (`--engines
+    auto` then runs more engines: sdfarm.worker.slots.MPS_ENGINES)."""
+    from sdfarm.native.mps import mps_active
+
+    return str(device.name).upper().startswith("CUDA") and mps_active()
 
 
 def cache_capacity(config: Any) -> int:
@@ -298,6 +308,7 @@ def run(args: argparse.Namespace) -> int:
         "capacity": capacity,
         "overflow": overflow,
         "engines": config.engines,
+        "mps": cuda_mps(config.device),
         "models": config.models,
         "pid": os.getpid(),
         "metrics_port": port or None,
@@ -308,7 +319,8 @@ def run(args: argparse.Namespace) -> int:
         os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # keep stdout to the one document
     else:
         print(
-            f"sdfarm worker {config.device_key} ({config.device.type}) on queue {config.queue}",
+            f"sdfarm worker {config.device_key} ({config.device.type}) on queue {config.queue}, "
+            f"{config.engines} engine slot(s){' (CUDA MPS)' if doc['mps'] else ''}",
             file=sys.stderr,
         )
     try:

@@ -46,6 +46,13 @@ bench/results/gpu/cuda-engines-per-gpu-512.json): N=1 8.52 img/s, N=2 9.58 (+12%
 (+3% more, for twice the engines' memory), N=8 9.88. Two engines take most of the gain; past
 that each engine costs its full estimate (6.04 GiB accounted each there) for almost nothing."""
 
+MPS_ENGINES = 4
+"""`--engines auto` on a CUDA GPU served by MPS (sdfarm.native.mps), from the farm on the H200
+under MPS (bench/farm_engines.py, `bash bench/gpu_run.sh peertwo|peerthree`, SD-Turbo
+architecture): 512x512 1 step N=1/2/4/8 7.20/10.92/12.37/12.71 images/s, 1024 1 step
+2.15/2.85/3.05/3.09, 512 4 steps 4.21/6.18/8.08/8.44. Four engines take 94-97% of what eight
+make, for half the memory."""
+
 
 def slot_index() -> int:
     """This pool process's index (billiard keeps it when it replaces a process), 0 outside a
@@ -59,7 +66,7 @@ def slot_index() -> int:
         return 0
 
 
-def auto_engines(device_type: str, capacity: int, largest_estimate: int) -> int:
+def auto_engines(device_type: str, capacity: int, largest_estimate: int, mps: bool = False) -> int:
     """`--engines auto`: 1 on the CPU: one engine's threads already use every core, so a
     second engine only splits them (an integrated GPU too: nothing measured it). On a
     discrete GPU, GPU_ENGINES (2): on the H200 one engine made
@@ -67,10 +74,12 @@ def auto_engines(device_type: str, capacity: int, largest_estimate: int) -> int:
     four 9.88 (+3% more for twice the memory), eight no more. Reduced so that that many
     engines of the largest listed model (`largest_estimate`, its resident estimate) fit the
     device's figure (`capacity`): the scheduler counts every engine at its estimate, and an
-    engine that cannot fit beside the others would only make jobs wait. At least 1."""
+    engine that cannot fit beside the others would only make jobs wait. With `mps` (a CUDA
+    GPU whose processes are MPS clients: kernels of different engines run at once)
+    MPS_ENGINES (4) instead. At least 1."""
     if device_type not in ("gpu", "accel"):
         return 1  # the CPU, and an integrated GPU (its memory and power are the host's)
-    n = GPU_ENGINES
+    n = MPS_ENGINES if mps else GPU_ENGINES
     if largest_estimate > 0:
         n = min(n, capacity // largest_estimate)
     return max(1, n)

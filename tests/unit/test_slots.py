@@ -24,7 +24,14 @@ from sdfarm.scheduler.placement import (
 )
 from sdfarm.scheduler.registry import account, account_sent, build_devices, device_state
 from sdfarm.worker.engine_cache import CacheFullError, EngineCache
-from sdfarm.worker.slots import GPU_ENGINES, Peers, SlotBoard, auto_engines, parse_engines
+from sdfarm.worker.slots import (
+    GPU_ENGINES,
+    MPS_ENGINES,
+    Peers,
+    SlotBoard,
+    auto_engines,
+    parse_engines,
+)
 
 NOW = 10_000.0
 
@@ -295,18 +302,22 @@ def test_the_board_lists_live_slots_only_and_the_lowest_leads(tmp_path) -> None:
 
 
 @pytest.mark.parametrize(
-    ("dtype", "capacity", "largest", "want"),
+    ("dtype", "capacity", "largest", "mps", "want"),
     [
-        ("cpu", 64 * GiB, GiB, 1),
-        ("igpu", 64 * GiB, GiB, 1),
-        ("gpu", 139 * GiB, 6 * GiB, GPU_ENGINES),
-        ("accel", 139 * GiB, 0, GPU_ENGINES),
-        ("gpu", 10 * GiB, 6 * GiB, 1),
-        ("gpu", 4 * GiB, 6 * GiB, 1),
+        ("cpu", 64 * GiB, GiB, False, 1),
+        ("cpu", 64 * GiB, GiB, True, 1),
+        ("igpu", 64 * GiB, GiB, False, 1),
+        ("gpu", 139 * GiB, 6 * GiB, False, GPU_ENGINES),
+        ("gpu", 139 * GiB, 6 * GiB, True, MPS_ENGINES),
+        ("gpu", 20 * GiB, 6 * GiB, True, 3),
+        ("accel", 139 * GiB, 0, False, GPU_ENGINES),
+        ("gpu", 10 * GiB, 6 * GiB, False, 1),
+        ("gpu", 10 * GiB, 6 * GiB, True, 1),
+        ("gpu", 4 * GiB, 6 * GiB, False, 1),
     ],
 )
-def test_auto_engines(dtype: str, capacity: int, largest: int, want: int) -> None:
-    assert auto_engines(dtype, capacity, largest) == want
+def test_auto_engines(dtype: str, capacity: int, largest: int, mps: bool, want: int) -> None:
+    assert auto_engines(dtype, capacity, largest, mps=mps) == want
 
 
 def test_parse_engines() -> None:
