@@ -220,6 +220,7 @@ def write(args: argparse.Namespace, name: str, rows: list[dict[str, Any]]) -> No
         "steps": args.steps,
         "host": platform.node(),
         "cores": os.cpu_count(),
+        "cuda_mps_pipe": os.environ.get("CUDA_MPS_PIPE_DIRECTORY"),
         "results": rows,
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -25,6 +25,8 @@
 #   bash bench/gpu_run.sh vulkan    # the carried Vulkan build with cooperative-matrix shaders:
 #                                   # speed, 4096x4096 under a 40 GiB figure, the farm per N
 #   bash bench/gpu_run.sh vkcheck   # the VAE-attention estimate at 2048 and 4096 on Vulkan
+#   bash bench/gpu_run.sh peerone   # build, then the farm per N at 512/1024 x 1/4 steps
+#   bash bench/gpu_run.sh peertwo   # right after peerone: the same under CUDA MPS; the peer
 #
 # Carried: .whl/*.whl (our dependencies and pytest for python3.12), .carry/{redis-server,
 # stable_diffusion_cpp_python-0.4.7.tar.gz}; for the Vulkan stages also .gl/*.deb (Vulkan
@@ -76,6 +78,7 @@ prep() {
         ln -sfn "$REPO/$d" "/tmp/pkg/sdfarm/$d"
     done
     export PYTHONPATH=/tmp/site:/tmp/pkg
+    [ -e .carry/redis-server.xz ] && [ ! -e .carry/redis-server ] && xz -dk .carry/redis-server.xz
     chmod +x .carry/redis-server 2>/dev/null
     export PATH="$REPO/.carry:$PATH"
     for d in /usr/local/cuda/bin /usr/local/cuda-*/bin; do
@@ -608,11 +611,83 @@ vulkan() {
     nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader || true
 }
 
+# Issue #15's table from one lease, in two calls made back to back (the second finds the
+# machine warm: /tmp keeps the build and the models). peerone: the CUDA build (packed into $OUT
+# in case the machine goes back before peertwo), then the farm per N at the four cases.
+# peertwo: the same cases under CUDA MPS (nvidia-cuda-mps-control, one daemon for the
+# host; every engine process becomes its client, so kernels of different engines may run
+# at once instead of time-sliced), then the diffusers peer, eager and compiled.
+farm_cases() {
+    local tag=$1 ns=$2 mult=$3 budget=${4:-70} cases=${5:-"512:1:40 1024:1:16 512:4:30 1024:4:12"}
+    for c in $cases; do
+        set -- ${c//:/ }
+        stage "$budget" "farm-$tag-$1-$2" bench/farm_engines.py --device CUDA0 --model "$MODEL" \
+            --engines "$ns" --jobs $(( $3 * mult )) --size "$1" --steps "$2" --timeout 120 \
+            --out "$OUT/cuda/cuda-farm-engines-$tag-$1-$2steps.json"
+    done
+}
+
+peerone() {
+    ensure
+    mkdir -p "$OUT/cuda"
+    farm_cases plain 1,2,4 1
+    nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader || true
+}
+
+MPS_DIR=/tmp/mps
+mps_start() {
+    local ctl; ctl=$(command -v nvidia-cuda-mps-control || ls /usr/local/nvidia/bin/nvidia-cuda-mps-control 2>/dev/null)
+    if [ -z "$ctl" ]; then say "MPS: no nvidia-cuda-mps-control on this machine"; return 1; fi
+    mkdir -p "$MPS_DIR/pipe" "$MPS_DIR/log"
+    export CUDA_MPS_PIPE_DIRECTORY=$MPS_DIR/pipe CUDA_MPS_LOG_DIRECTORY=$MPS_DIR/log
+    "$ctl" -d || { say "MPS: the daemon did not start"; return 1; }
+    sleep 1
+    if timeout 90 $PY -c "import torch; x = torch.ones(4, device='cuda'); print('MPS client ok', float(x.sum()))"; then
+        say "MPS: $(pgrep -a nvidia-cuda-mps | tr '\n' ' ')"
+        return 0
+    fi
+    say "MPS: a CUDA client failed under the daemon; its log:"
+    tail -20 "$MPS_DIR/log/control.log" "$MPS_DIR/log/server.log" 2>/dev/null
+    mps_stop
+    return 1
+}
+mps_stop() {
+    echo quit | "$(command -v nvidia-cuda-mps-control || echo /usr/local/nvidia/bin/nvidia-cuda-mps-control)" 2>/dev/null
+    sleep 2
+    unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+}
+
+# The engines-per-GPU curve under MPS past N=2 (peertwo's stages ran out of time there).
+peerthree() {
+    ensure
+    mkdir -p "$OUT/cuda"
+    mps_start || return
+    farm_cases mps-n48 4,8 2 150 "512:1:40 1024:1:16 512:4:30"
+    farm_cases mps-n24 2,4 2 100 "1024:4:12"
+    mps_stop
+}
+
+peertwo() {
+    ensure
+    mkdir -p "$OUT/cuda"
+    if mps_start; then
+        farm_cases mps 1,2,4,8 2
+        tail -5 "$MPS_DIR/log/control.log" 2>/dev/null
+        mps_stop
+    fi
+    local left=$(( PHASE_BUDGET - $(now) - 15 ))
+    if [ "$left" -lt 60 ]; then say "SKIPPED: the peer"; return; fi
+    say "peer_diffusers.py (eager, then compiled batch 4) with ${left}s"
+    timeout "$left" $PY bench/peer_diffusers.py --sizes 512,1024 --steps 1,4 --batches 1,4 \
+        --compile --runs 5 --deadline $(( left - 20 )) --out "$OUT/cuda/cuda-peer-diffusers-same-lease.json"
+    nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader || true
+}
+
 case "$PHASE" in
     setup | bench1 | bench2) ;;
     cuda_recheck | cudafarm | overhead | speedbatch | gputests | cpu1024 | twogpu) ;;
-    features | tiling | peer | tilingpeer | decodefarm | lanes | extras | cudaopts | cudamore | vulkan | vkcheck) ;;
-    *) echo "usage: bash bench/gpu_run.sh setup|bench1|bench2|cuda_recheck|cudafarm|overhead|speedbatch|gputests|cpu1024|twogpu|features|tiling|peer|tilingpeer|decodefarm|lanes|extras|cudaopts|cudamore|vulkan|vkcheck" >&2; exit 2 ;;
+    features | tiling | peer | tilingpeer | decodefarm | lanes | extras | cudaopts | cudamore | vulkan | vkcheck | peerone | peertwo | peerthree) ;;
+    *) echo "usage: bash bench/gpu_run.sh setup|bench1|bench2|cuda_recheck|cudafarm|overhead|speedbatch|gputests|cpu1024|twogpu|features|tiling|peer|tilingpeer|decodefarm|lanes|extras|cudaopts|cudamore|vulkan|vkcheck|peerone|peertwo|peerthree" >&2; exit 2 ;;
 esac
 set -o pipefail
 mkdir -p "$OUT"
