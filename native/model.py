@@ -16,6 +16,7 @@ import json
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any
 
@@ -70,10 +71,13 @@ class Model:
     native_size: tuple[int, int] = DEFAULT_NATIVE_SIZE
     directory: Path | None = None
 
-    @property
+    @cached_property
     def architecture(self) -> str:
         """The diffusion model's coarse architecture (roles.guess_architecture): sd1, sd2,
-        sdxl, mmdit, flux, dit or unknown."""
+        sdxl, mmdit, flux, dit or unknown. Read once per Model: the catalog hands a worker
+        the same Model for every job, and the scan of 1,228 tensor names cost 9 ms a job
+        (with `decoders` and the video reading, 6 ms of the 9.7 ms between two images on the
+        H200, docs/gpu.md)."""
         main = self.files.get("diffusion_model") or self.files.get("checkpoint")
         return guess_architecture(main.header) if main is not None else "unknown"
 
@@ -110,10 +114,10 @@ class Model:
                 pairs.setdefault(p, "<model dir>")
         return dict(sorted(pairs.items(), key=lambda kv: -len(kv[0])))
 
-    @property
+    @cached_property
     def decoders(self) -> tuple[str, ...]:
         """The decoders this model has, the full VAE first (sdfarm.native.decoders): a job
-        chooses among them with its `decoder`."""
+        chooses among them with its `decoder`. Read once per Model, as `architecture`."""
         from .decoders import available
 
         return available(self)

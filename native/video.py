@@ -227,7 +227,19 @@ def check_pair(files: Mapping[str, tuple[FileHeader, str]], name: str) -> None:
 
 def video_model(model: Model) -> VideoModel | None:
     """The video model `model` is (its diffusion model's or checkpoint's reading), or None for
-    an image model."""
+    an image model. Read once per Model object and kept in its `__dict__` (a frozen
+    dataclass's cache, as functools.cached_property keeps one): the worker asks for every job
+    and the catalog hands it the same Model until a file changes."""
+    memo = getattr(model, "__dict__", None)
+    if memo is not None and "_video_model" in memo:
+        return memo["_video_model"]
+    found = _read_video_model(model)
+    if memo is not None:
+        memo["_video_model"] = found
+    return found
+
+
+def _read_video_model(model: Model) -> VideoModel | None:
     main = model.files.get("diffusion_model") or model.files.get("checkpoint")
     header = getattr(main, "header", None)
     if not isinstance(header, FileHeader):
