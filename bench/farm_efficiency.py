@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -124,6 +125,7 @@ def main() -> int:
         "device": args.device,
         "jobs_asked": args.jobs,
         "engines": args.engines,
+        "prefetch": int(os.environ.get("SDFARM_PREFETCH") or 1),
         "size": f"{args.size}x{args.size}",
         "steps": 1,
         "method": __doc__.split("\n\n")[1].replace("\n", " "),

@@ -657,6 +657,24 @@ mps_stop() {
     unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
 }
 
+# One engine slot's GPU efficiency over 500 jobs with the worker reserving 1 and then 2
+# messages ahead (SDFARM_PREFETCH), side by side; then the MPS probe on a real daemon.
+effprefetch() {
+    ensure
+    mkdir -p "$OUT/cuda"
+    for pf in 1 2; do
+        SDFARM_PREFETCH=$pf stage 90 "efficiency-prefetch$pf" bench/farm_efficiency.py \
+            --model "$MODEL" --device CUDA0 --jobs 500 --size 512 --log-dir "$FARM_LOGS/eff$pf" \
+            --out "$OUT/cuda/cuda-efficiency-500-prefetch$pf.json"
+    done
+    if mps_start; then
+        ls -la "$CUDA_MPS_PIPE_DIRECTORY"
+        $PY -c "from sdfarm.native.mps import mps_active; print('sdfarm.native.mps.mps_active():', mps_active())"
+        mps_stop
+        $PY -c "from sdfarm.native.mps import mps_active; print('after quit, with no pipe directory set:', mps_active())"
+    fi
+}
+
 # The engines-per-GPU curve under MPS past N=2 (peertwo's stages ran out of time there).
 peerthree() {
     ensure
@@ -686,8 +704,8 @@ peertwo() {
 case "$PHASE" in
     setup | bench1 | bench2) ;;
     cuda_recheck | cudafarm | overhead | speedbatch | gputests | cpu1024 | twogpu) ;;
-    features | tiling | peer | tilingpeer | decodefarm | lanes | extras | cudaopts | cudamore | vulkan | vkcheck | peerone | peertwo | peerthree) ;;
-    *) echo "usage: bash bench/gpu_run.sh setup|bench1|bench2|cuda_recheck|cudafarm|overhead|speedbatch|gputests|cpu1024|twogpu|features|tiling|peer|tilingpeer|decodefarm|lanes|extras|cudaopts|cudamore|vulkan|vkcheck|peerone|peertwo|peerthree" >&2; exit 2 ;;
+    features | tiling | peer | tilingpeer | decodefarm | lanes | extras | cudaopts | cudamore | vulkan | vkcheck | peerone | peertwo | peerthree | effprefetch) ;;
+    *) echo "usage: bash bench/gpu_run.sh setup|bench1|bench2|cuda_recheck|cudafarm|overhead|speedbatch|gputests|cpu1024|twogpu|features|tiling|peer|tilingpeer|decodefarm|lanes|extras|cudaopts|cudamore|vulkan|vkcheck|peerone|peertwo|peerthree|effprefetch" >&2; exit 2 ;;
 esac
 set -o pipefail
 mkdir -p "$OUT"

@@ -52,8 +52,10 @@ def queue_lists(device_key: str) -> list[str]:
     return [q if step == 0 else f"{q}\x06\x16{step}" for step in PRIORITY_STEPS]
 
 
-def make_app(redis_url: str, task: Callable[..., Any] | None = None) -> Any:
-    """A Celery app on `redis_url`; with `task` (the worker's), registered as TASK_NAME."""
+def make_app(redis_url: str, task: Callable[..., Any] | None = None, prefetch: int = 1) -> Any:
+    """A Celery app on `redis_url`; with `task` (the worker's), registered as TASK_NAME.
+    `prefetch` is the messages the worker's main process reserves per pool process
+    (sdfarm.worker.app.prefetch)."""
     from celery import Celery
 
     from sdfarm.store.connect import celery_broker
@@ -68,9 +70,9 @@ def make_app(redis_url: str, task: Callable[..., Any] | None = None) -> Any:
         result_serializer="json",
         accept_content=["json"],
         event_serializer="json",
-        # Long jobs: hold exactly the message being run, acknowledge it when it ends.
+        # Long jobs: acknowledge a message when its job ends; reserve `prefetch` per process.
         task_acks_late=True,
-        worker_prefetch_multiplier=1,
+        worker_prefetch_multiplier=prefetch,
         # A dead child's message is acknowledged, not redelivered: the scheduler re-places.
         task_reject_on_worker_lost=False,
         worker_hijack_root_logger=False,
@@ -95,8 +97,8 @@ def on_pool_process(start: Callable[..., Any], stop: Callable[..., Any]) -> None
 
 def run_worker(app: Any, hostname: str, queue: str, concurrency: int = 1) -> int:
     """A prefork pool of `concurrency` processes (one per engine slot) consuming `queue`
-    only, until SIGTERM (running jobs finish first); its exit code. With prefetch 1 the
-    main process reserves at most one message per pool process."""
+    only, until SIGTERM (running jobs finish first); its exit code. The main process
+    reserves at most the app's prefetch of messages per pool process."""
     worker = app.Worker(
         hostname=hostname,
         pool_cls="prefork",

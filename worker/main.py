@@ -274,8 +274,13 @@ def check_results(url: str) -> str:
 def run(args: argparse.Namespace) -> int:
     """Run the worker until it is stopped (SIGTERM: finish the running job, then exit)."""
     from sdfarm.worker import hooks, metrics
-    from sdfarm.worker.app import make_app
+    from sdfarm.worker.app import make_app, prefetch
     from sdfarm.worker.heartbeat import cache_limits
+
+    try:
+        reserve = prefetch()
+    except ValueError as exc:
+        raise SystemExit(f"sdfarm worker: {exc}") from None
 
     logging.basicConfig(
         level=logging.WARNING,
@@ -291,7 +296,7 @@ def run(args: argparse.Namespace) -> int:
         config.slots_dir = str(board.root)
     hooks.configure(config)
     transport.on_pool_process(hooks.on_process_init, hooks.on_process_shutdown)
-    app = make_app(config.redis_url)
+    app = make_app(config.redis_url, reserve)
     port = args.metrics_port if args.metrics_port is not None else metrics.default_port()
     if port:
         metrics.serve(config.redis_url, config.device_key, port, args.metrics_addr)
@@ -308,6 +313,7 @@ def run(args: argparse.Namespace) -> int:
         "capacity": capacity,
         "overflow": overflow,
         "engines": config.engines,
+        "prefetch": reserve,
         "mps": cuda_mps(config.device),
         "models": config.models,
         "pid": os.getpid(),
