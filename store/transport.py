@@ -95,6 +95,14 @@ def on_pool_process(start: Callable[..., Any], stop: Callable[..., Any]) -> None
     signals.worker_process_shutdown.connect(stop, weak=False)
 
 
+def on_worker_stopping(callback: Callable[[], Any]) -> None:
+    """Run `callback` in the main process when the worker begins to shut down
+    (worker_shutting_down: SIGTERM, SIGINT, a remote shutdown)."""
+    from celery import signals
+
+    signals.worker_shutting_down.connect(lambda **_: callback(), weak=False)
+
+
 def run_worker(app: Any, hostname: str, queue: str, concurrency: int = 1) -> int:
     """A prefork pool of `concurrency` processes (one per engine slot) consuming `queue`
     only, until SIGTERM (running jobs finish first); its exit code. The main process
@@ -196,3 +204,49 @@ def render(template: dict[str, Any], job_id: str, dispatch: str, queue: str) -> 
     doc = {**template, "headers": headers, "properties": props,
            "body": base64.b64encode(json.dumps(body).encode()).decode()}  # fmt: skip
     return json.dumps(doc)
+
+
+# -- taking a device's next message directly (sdfarm.worker.chain) ---------------------------
+
+_POP_FIRST = """
+for i, key in ipairs(KEYS) do
+    local raw = redis.call('RPOP', key)
+    if raw then return {key, raw} end
+end
+return false
+"""
+"""RPOP from the first non-empty list, in the order given: what kombu's BRPOP over the same
+lists does, without blocking (Redis 6.2 has no LMPOP)."""
+
+
+def parse(raw: str | bytes) -> tuple[str, str] | None:
+    """(job id, dispatch) of a TASK_NAME message as this module renders it (protocol 2, a
+    base64 JSON body whose first item is the two arguments); None for anything else."""
+    try:
+        doc = json.loads(raw)
+        if doc["headers"]["task"] != TASK_NAME or doc.get("content-type") != "application/json":
+            return None
+        if doc["properties"].get("body_encoding") != "base64":
+            return None
+        args = json.loads(base64.b64decode(doc["body"]))[0]
+        if len(args) == 2 and all(isinstance(a, str) and a for a in args):
+            return str(args[0]), str(args[1])
+    except (KeyError, IndexError, TypeError, ValueError):
+        pass
+    return None
+
+
+def pop_next(client: Any, device_key: str) -> tuple[str, str] | None:
+    """Take the device's next task message straight from its lists (highest priority list
+    first, oldest message first, as Celery's consumer would) and return its (job id,
+    dispatch); None when the lists are empty. A message this module cannot read is put back
+    where it was taken from, for Celery's own consumer, and None returned."""
+    lists = queue_lists(device_key)
+    got = client.eval(_POP_FIRST, len(lists), *lists)
+    if not got:
+        return None
+    key, raw = got
+    found = parse(raw)
+    if found is None:
+        client.rpush(key, raw)
+    return found

@@ -239,3 +239,9 @@ class WorkerOps(StoreBase):
         for name in transport.queue_lists(device_key):
             pipe.llen(name)
         return int(sum(pipe.execute()))
+
+    def next_message(self, device_key: str) -> tuple[str, str] | None:
+        """The device's next task message taken straight from its lists, as (job id,
+        dispatch), or None (sdfarm.worker.chain: a worker that just finished a job takes
+        the next one without Celery's ack and fetch in between)."""
+        return transport.pop_next(self.r, device_key)

@@ -54,6 +54,7 @@ class WorkerConfig:
     results: str = "redis"  # where images go (sdfarm.store.results)
     engines: int = 1  # engine slots on the device: pool processes running jobs at once
     slots_dir: str | None = None  # the slots' shared folder (sdfarm.worker.slots), N > 1
+    stop_file: str | None = None  # touched by the main process on SIGTERM (worker.chain)
     worker_id: str = field(default_factory=lambda: uuid.uuid4().hex)  # the parent's, per start
 
     @property
@@ -161,6 +162,11 @@ class Context:
         self.uploader.stop()
         self.heartbeat.stop(withdraw=True)
         self.cache.clear()
+
+    @property
+    def stopping(self) -> bool:
+        """This process is shutting down (worker_process_shutdown ran)."""
+        return self._stop.is_set()
 
     def set_state(self, state: str, job_id: str | None = None) -> None:
         self.state = state

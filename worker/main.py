@@ -16,9 +16,12 @@ import json
 import logging
 import os
 import re
+import shutil
 import socket
 import sys
+import tempfile
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from sdfarm.native.devices import Device, HostFigures, choose_compute_device
@@ -228,6 +231,13 @@ def build_config(args: argparse.Namespace) -> Any:
     return config
 
 
+def _touch(path: Path) -> None:
+    try:
+        path.touch()
+    except OSError as exc:  # the folder went with a worker already ending
+        logging.getLogger("sdfarm.worker").warning("stop file %s not written: %s", path, exc)
+
+
 def cuda_mps(device: Any) -> bool:
     """Whether `device` is a CUDA GPU whose processes would be MPS clients (`--engines
     auto` then runs more engines: sdfarm.worker.slots.MPS_ENGINES)."""
@@ -294,6 +304,10 @@ def run(args: argparse.Namespace) -> int:
 
         board = SlotBoard.create()
         config.slots_dir = str(board.root)
+    # Touched on SIGTERM: a slot running a chain of jobs (sdfarm.worker.chain) takes no more.
+    run_dir = Path(tempfile.mkdtemp(prefix="sdfarm-worker-"))
+    config.stop_file = str(run_dir / "stopping")
+    transport.on_worker_stopping(lambda: _touch(run_dir / "stopping"))
     hooks.configure(config)
     transport.on_pool_process(hooks.on_process_init, hooks.on_process_shutdown)
     app = make_app(config.redis_url, reserve)
@@ -334,6 +348,7 @@ def run(args: argparse.Namespace) -> int:
             app, config.celery_hostname, config.queue, concurrency=config.engines
         )
     finally:
+        shutil.rmtree(run_dir, ignore_errors=True)
         if board is not None:
             board.remove()
 

@@ -33,7 +33,7 @@ from sdfarm.native.video import refuse_video_model, require_video_model
 from sdfarm.store import Claim, JobSpec
 from sdfarm.store.records import JOB_KINDS, upscaler_key
 from sdfarm.store.retry import retry_transient
-from sdfarm.worker import hooks
+from sdfarm.worker import chain, hooks
 from sdfarm.worker.results import Finished
 
 log = logging.getLogger("sdfarm.worker")
@@ -45,14 +45,22 @@ CANCEL_EXIT_CODE = 0  # a cancel is not a crash; Celery replaces the process eit
 
 
 def run_job(job_id: str, dispatch: str) -> None:
-    """The Celery task TASK_NAME (registered by sdfarm.worker.app.make_app)."""
-    JobRun(hooks.context(), str(job_id), str(dispatch)).run()
+    """The Celery task TASK_NAME (registered by sdfarm.worker.app.make_app): its job, then the
+    device's next jobs taken straight from its queue while there are any (sdfarm.worker.chain:
+    no Celery round between two generations)."""
+    ctx = hooks.context()
+    JobRun(ctx, str(job_id), str(dispatch)).run()
+    links = chain.for_context(ctx)
+    while links is not None and (found := links.next()) is not None:
+        JobRun(ctx, *found, chained=True).run()
 
 
 class JobRun:
     """One run of one job in this worker process."""
 
-    def __init__(self, ctx: hooks.Context, job_id: str, dispatch: str) -> None:
+    def __init__(
+        self, ctx: hooks.Context, job_id: str, dispatch: str, chained: bool = False
+    ) -> None:
         self.ctx = ctx
         self.job_id = job_id
         self.dispatch = dispatch
@@ -64,6 +72,8 @@ class JobRun:
             "device": ctx.config.device.name,
             "device_key": ctx.config.device_key,
             "incarnation": ctx.incarnation,
+            # Taken by the slot itself after its last job (sdfarm.worker.chain), not by Celery.
+            **({"chained": True} if chained else {}),
         }
         self.level = "none"
         self.log_prompts = False

@@ -89,3 +89,35 @@ def test_render_does_not_touch_the_template(outbox: CeleryOutbox) -> None:
     before = copy.deepcopy(template)
     render(template, "j", "d", "q")
     assert template == before
+
+
+# -- a worker taking its device's next message itself (sdfarm.worker.chain) -------------------
+
+
+def test_pop_next_takes_celerys_order_and_leaves_what_it_cannot_read(
+    outbox: CeleryOutbox,
+) -> None:
+    from sdfarm.store.transport import pop_next, queue_lists
+
+    r, device = outbox.r, "hostA/CPU"
+    lists = queue_lists(device)
+    assert pop_next(r, device) is None  # nothing waiting
+    for job, key in (("old", lists[0]), ("new", lists[0]), ("low", lists[2])):
+        r.lpush(key, outbox.message(job, f"d-{job}", device)[1])
+    # The first list first, and in it the oldest message (LPUSHed first), as BRPOP reads.
+    assert [pop_next(r, device) for _ in range(4)] == [
+        ("old", "d-old"),
+        ("new", "d-new"),
+        ("low", "d-low"),
+        None,
+    ]
+    r.lpush(lists[1], "not a celery message")
+    assert pop_next(r, device) is None
+    assert r.lrange(lists[1], 0, -1) == [b"not a celery message"]  # put back for Celery
+
+
+def test_celerys_own_send_task_message_parses(outbox: CeleryOutbox) -> None:
+    from sdfarm.store.transport import pop_next, send
+
+    send(outbox.app, "job9", "disp9", "hostB/CPU")
+    assert pop_next(outbox.r, "hostB/CPU") == ("job9", "disp9")

@@ -343,6 +343,39 @@ def test_abort_leaves_the_job_running_for_the_scheduler_to_recover(
     assert farm.wait(nxt) == "done"
 
 
+# -- chained jobs (sdfarm.worker.chain) ----------------------------------------------------------
+
+
+def test_jobs_queued_together_run_back_to_back_without_celery(farm: Farm, plain: Worker) -> None:
+    """After a job the slot takes the device's next message itself: every job runs, in
+    order, and the ones after the first say they were chained."""
+    jobs = [farm.place(plain, {**SMALL, "seed": 20 + i}, log_level="none") for i in range(4)]
+    assert [farm.wait(j) for j in jobs] == ["done"] * 4
+    chained = [bool(farm.result(j).meta.get("chained")) for j in jobs]
+    assert sum(chained) >= 2, chained
+    started = [float(farm.job(j)["started"]) for j in jobs]
+    assert started == sorted(started)
+    assert farm.store.queue_length(plain.key) == 0
+
+
+def test_a_stopping_worker_finishes_its_job_and_chains_no_other(
+    farm: Farm, redis_server: Any, models_dir: Path, tmp_path: Path
+) -> None:
+    env = {hooks.TEST_HOOKS_ENV: "1"}
+    worker = Worker(redis_server.url, models_dir, tmp_path / "worker.log", env)
+    try:
+        first = farm.place(worker, test_hook="sleep:2")
+        rest = [farm.place(worker, {**SMALL, "seed": 30 + i}) for i in range(2)]
+        farm.wait_state(first, "running")
+        worker.proc.send_signal(signal.SIGTERM)
+        assert farm.wait(first, timeout=30) == "done"
+        assert worker.proc.wait(30) == 0
+        assert [farm.job(j)["state"] for j in rest] == ["placed", "placed"]
+        assert farm.store.queue_length(worker.key) == 2  # their messages wait for a worker
+    finally:
+        worker.stop()
+
+
 # -- the uploader's cap, against the real Redis --------------------------------------------
 
 
