@@ -126,6 +126,7 @@ def main() -> int:
         "jobs_asked": args.jobs,
         "engines": args.engines,
         "prefetch": int(os.environ.get("SDFARM_PREFETCH") or 1),
+        "chain": os.environ.get("SDFARM_CHAIN") or "1",
         "size": f"{args.size}x{args.size}",
         "steps": 1,
         "method": __doc__.split("\n\n")[1].replace("\n", " "),
