@@ -43,6 +43,12 @@ VIDEO_CHUNK_BYTES_PER_PIXEL = 48 * 1024
 frames (bench/video_memory.py on the CPU; see ModelFacts.video_estimate)."""
 VIDEO_FRAME_BYTES_PER_PIXEL = 1024
 """What every frame adds per pixel (bench/video_memory.py on the CPU)."""
+CLIP_VISION_COMPUTE_BYTES = 32 * memory.MiB
+"""The working memory of a video job whose input image runs through the model's CLIP vision
+encoder (a Wan2.1 I2V model's clip_vision file; its weights count with the model's files).
+The runtime resizes every image to 224x224 first (get_clip_vision_output), so it does not grow
+with the frames: its compute buffer was 10.9 MB on the CPU (bench/video_memory.py --variant
+i2v prints it), and this covers it threefold, with the DiT's 257 image tokens beside."""
 
 
 @dataclass(frozen=True)
@@ -72,6 +78,9 @@ class ModelFacts:
     decode_attention: bool = False
     """The engine decodes with a full VAE, whose middle block attends over every latent cell
     (`decode_attention_bytes`); TAESD has no attention."""
+    vision: int = 0
+    """What a video job's input image adds through the model's CLIP vision encoder
+    (CLIP_VISION_COMPUTE_BYTES for a model with a clip_vision file, else 0)."""
 
     def estimate(
         self,
@@ -137,13 +146,15 @@ class ModelFacts:
         video pixel), plus what grows with every frame (the latent video, the decoded
         frames as floats and 8-bit, the frames' images and the WebP encoder's copies). An
         input image is encoded by the same VAE first (its encoder's working memory, counted
-        like a chunk). Measured on the CPU by bench/video_memory.py."""
+        like a chunk), and, for a model with a CLIP vision encoder, runs through it
+        (`vision`). Measured on the CPU by bench/video_memory.py."""
         pixels = int(width) * int(height)
         chunks = 2 if encodes else 1
         return (
             self.resident()
             + pixels * VIDEO_CHUNK_BYTES_PER_PIXEL * chunks
             + pixels * int(frames) * VIDEO_FRAME_BYTES_PER_PIXEL
+            + (self.vision if encodes else 0)
         )
 
     def control_working(self, width: int, height: int) -> int:
@@ -171,6 +182,7 @@ class ModelFacts:
             **({"decoders": list(self.decoders)} if self.decoders else {}),
             **({"size_multiple": self.size_multiple} if self.size_multiple != SIZE_STEP else {}),
             **({"decode_attention": True} if self.decode_attention else {}),
+            **({"vision": self.vision} if self.vision else {}),
         }
         if self.video:
             doc["video"] = self.video
@@ -190,6 +202,7 @@ class ModelFacts:
             tuple(str(d) for d in doc.get("decoders") or ()),
             int(doc.get("size_multiple") or SIZE_STEP),
             bool(doc.get("decode_attention")),
+            int(doc.get("vision") or 0),
         )
 
     @classmethod
@@ -210,6 +223,7 @@ class ModelFacts:
             tuple(d for d in facts[0].decoders if all(d in f.decoders for f in facts)),
             max(f.size_multiple for f in facts),
             any(f.decode_attention for f in facts),
+            max(f.vision for f in facts),
         )
 
     def with_extras(self, extra_bytes: int, control_heads: int = 0) -> ModelFacts:
@@ -249,6 +263,7 @@ def model_facts(model: Any, device: Device, decoder: str = "") -> ModelFacts:
         decoders=decoders,
         size_multiple=size_multiple(getattr(model, "architecture", "")),
         decode_attention="vae" in decoders and own(decoders) == "vae",
+        vision=CLIP_VISION_COMPUTE_BYTES if "clip_vision" in model.files else 0,
     )
     return facts.with_decoder(decoder)
 

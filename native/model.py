@@ -36,8 +36,8 @@ from .roles import (
     native_size_for,
     split_checkpoint,
 )
+from .video import check_clip_vision, check_pair
 from .video import check_header as check_video_header
-from .video import check_pair
 
 MODEL_SUFFIXES: tuple[str, ...] = (".safetensors", ".gguf")
 MANIFEST_NAME = "model.json"
@@ -191,10 +191,9 @@ class Model:
                 f"model {name or '(unnamed)'} has no diffusion_model or checkpoint file "
                 f"(it has: {', '.join(model_files)})"
             )
-        check_pair(
-            {r: (mf.header, mf.path.name) for r, mf in model_files.items()},
-            name or main.path.stem,
-        )
+        named = {r: (mf.header, mf.path.name) for r, mf in model_files.items()}
+        check_pair(named, name or main.path.stem)
+        check_clip_vision(named, name or main.path.stem)
         if name is None:
             name = main.path.stem
         if directory is None:

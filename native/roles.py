@@ -26,6 +26,7 @@ ROLE_PARAMS: dict[str, str] = {
     "clip_g": "clip_g_path",
     "t5xxl": "t5xxl_path",
     "llm": "llm_path",
+    "clip_vision": "clip_vision_path",
     "vae": "vae_path",
     "taesd": "taesd_path",
 }
@@ -34,6 +35,10 @@ HIGH_NOISE = "high_noise_diffusion_model"
 """The high-noise expert of a Wan 2.2 MoE pair (the low-noise one is the diffusion_model): its
 tensors are a Wan DiT's like the other's, so a file's names never tell this role; a manifest
 names it (sdfarm.native.video.check_pair checks the pair)."""
+CLIP_VISION = "clip_vision"
+"""A CLIP vision encoder (OpenCLIP ViT-H/14, the file Wan2.1 I2V / FLF2V models ship as
+clip_vision_h): the runtime encodes a video's init (and end) image through it for a Wan2.1
+image-to-video DiT and loads no such DiT without one (sdfarm.native.video.check_clip_vision)."""
 
 # Which part of the pipeline each role feeds (the fit plan places these three separately).
 ROLE_COMPONENTS: dict[str, str] = {
@@ -43,6 +48,9 @@ ROLE_COMPONENTS: dict[str, str] = {
     "clip_g": "text_encoders",
     "t5xxl": "text_encoders",
     "llm": "text_encoders",
+    # The runtime builds the CLIP vision encoder on the diffusion model's backend, not the
+    # text encoders' (new_sd_ctx of master-596): keep_clip_on_cpu does not move it.
+    CLIP_VISION: "diffusion",
     "vae": "vae",
     "taesd": "vae",
 }
@@ -105,6 +113,12 @@ _LLAMA_CPP_T5_RE = re.compile(r"^enc\.blk\.\d+\.")
 _CLIP_RE = re.compile(r"(?:^|\.)text_model\.encoder\.layers\.\d+\.")
 _OPENCLIP_RE = re.compile(r"(?:^|\.)transformer\.resblocks\.\d+\.")
 CLIP_G_HIDDEN = 1280
+# A CLIP vision encoder: Hugging Face names (vision_model.encoder.layers.N., as clip_vision_h
+# has them) or OpenCLIP's (visual.transformer.resblocks.N.); checked before the diffusion
+# evidence, which its `embeddings.patch_embedding` and `layers.N.` would otherwise match.
+_VISION_RE = re.compile(
+    r"^(?:model\.)?(?:vision_model\.encoder\.layers|visual\.transformer\.resblocks)\.\d+\."
+)
 
 
 def _strip(name: str) -> str:
@@ -193,6 +207,17 @@ UPSCALER_BODY_RE = re.compile(r"^body\.(\d+)\.")
 UPSCALER_SUB_RE = re.compile(r"^model\.1\.sub\.(\d+)\.RDB")
 
 
+def vision_evidence(names: Iterable[str]) -> str | None:
+    """The evidence that (prefix-stripped) tensor names are a CLIP vision encoder's and no
+    text encoder's (a full CLIP file holds both towers: that is a text encoder to the runtime),
+    or None."""
+    names = list(names)
+    found = next((m.group(0) for n in names if (m := _VISION_RE.match(n))), None)
+    if found is None or any(_CLIP_RE.search(n) or "token_embedding" in n for n in names):
+        return None
+    return f"tensor names {_glob(found.rstrip('.'))} (a CLIP vision encoder)"
+
+
 def is_upscaler(names: Iterable[str]) -> bool:
     """Whether tensor names are an ESRGAN's (RRDBNet), in the original layout (`conv_first`,
     `body.N.rdbM...`) or the old `model.N` one (`model.0`, `model.1.sub.N.RDBM...`)."""
@@ -214,6 +239,8 @@ def detect_role_with_evidence(header: FileHeader) -> tuple[str | None, str]:
         return None, ""
     if is_upscaler(header.tensors):
         return UPSCALER, "tensor names of an ESRGAN (RRDBNet)"
+    if ev := vision_evidence(names):
+        return CLIP_VISION, ev
     components = _components(header)
     if "diffusion" in components and len(components) > 1:
         shown = ", ".join(f"{c} ({e})" for c, e in components.items())

@@ -14,8 +14,15 @@ What the runtime reads of a job's images (prepare_video_generation_latents):
 - Wan 2.2 TI2V 5B: init_image (the first frame); end_image is ignored;
 - Wan 2.2 I2V 14B: init_image and end_image (first and last frame);
 - VACE: init_image as the reference image;
-- Wan 2.1 I2V and FLF2V: both, through a CLIP vision encoder, a file no sdfarm model holds
-  yet: refused;
+- Wan 2.1 I2V and FLF2V (a DiT with `img_emb.*`; FLF2V-14B also has `img_emb.emb_pos`, the
+  first-last-frame position embedding): init_image and end_image. The runtime pins both as
+  the first and last frames of the conditioning latent (with their mask) and encodes the
+  init image (FLF2V-14B also the end image) through a CLIP vision encoder, the model's
+  clip_vision file. It builds that encoder for every Wan2.1 I2V DiT and fails to load one
+  without it (`check_clip_vision` refuses it first; a clip_vision file beside any other
+  model would be read and ignored, so it is refused too). A 30-layer DiT with emb_pos ends
+  the process at its first step (MLPProj slices 514 CLIP tokens out of the one image's 257
+  that the runtime gives a DiT it names Wan2.1-I2V-1.3B), so `check_header` refuses it;
 - text-to-video (Wan 2.1 T2V 1.3B, Wan 2.x T2V 14B): neither.
 The SVD UNet, which the runtime also runs through generate_video, is not offered (no sdfarm
 test loads one).
@@ -52,7 +59,7 @@ from sdfarm.native.errors import (
     ModelTooLargeError,
 )
 from sdfarm.native.headers import FileHeader
-from sdfarm.native.roles import HIGH_NOISE
+from sdfarm.native.roles import CLIP_VISION, HIGH_NOISE
 from sdfarm.native.video_params import SAME_AS_LOW, VideoParams, validate
 
 if TYPE_CHECKING:
@@ -68,6 +75,18 @@ WAN_MARKER = "blocks.0.cross_attn.norm_k.weight"
 TI2V_CHANNELS = 147456
 I2V_22_CHANNELS = 184320
 CLIP_VISION_NEEDED = ("Wan2.1-I2V-14B", "Wan2.1-I2V-1.3B", "Wan2.1-FLF2V-14B")
+"""The DiTs the runtime builds a CLIP vision encoder for (new_sd_ctx of master-596)."""
+FLF_MARKER = "img_emb.emb_pos"
+ADD_CLIP_VISION = (
+    f"add a {CLIP_VISION} file (OpenCLIP ViT-H/14's vision tower, e.g. clip_vision_h) to the "
+    f'model folder, named in model.json as "files": {{"{CLIP_VISION}": "FILE"}} or found by '
+    "its tensor names"
+)
+READERS = {
+    "init_image": "Wan2.2-TI2V-5B, Wan2.2-I2V-14B, a VACE model or a Wan2.1 I2V / FLF2V "
+    "model with a clip_vision file",
+    "end_image": "Wan2.2-I2V-14B or a Wan2.1 I2V / FLF2V model with a clip_vision file",
+}
 NO_PROMPT_WARNING = (
     "the model has no text encoder (umT5-XXL): the runtime conditions on nothing and the "
     "prompt has no effect"
@@ -86,24 +105,34 @@ class VideoModel:
     text_encoder: bool
     moe: bool = False
     """Whether it has a high-noise expert (a Wan 2.2 pair): the high-noise parameters apply."""
+    first_last: bool = False
+    """A Wan2.1 DiT with img_emb.emb_pos: trained on a first and a last frame (FLF2V)."""
+    clip_vision: bool = False
+    """Whether the model holds a clip_vision file (a Wan2.1 I2V / FLF2V DiT needs one)."""
+
+    @property
+    def needs_clip_vision(self) -> bool:
+        """Whether the runtime reads this DiT's images through a CLIP vision encoder."""
+        return self.desc in CLIP_VISION_NEEDED
 
     def refuse_images(self, params: VideoParams) -> None:
-        """InvalidParameterError naming an input image this model does not read."""
+        """InvalidParameterError naming an input image this model does not read, or reads
+        only through a CLIP vision encoder the model lacks."""
         for name, takes in (("init_image", self.init_image), ("end_image", self.end_image)):
-            if getattr(params, name) is None or takes:
+            if getattr(params, name) is None:
                 continue
-            if self.desc in CLIP_VISION_NEEDED:
+            if takes and not (self.needs_clip_vision and not self.clip_vision):
+                continue
+            if takes:
                 why = (
-                    "the runtime reads it through a CLIP vision encoder, which sdfarm models "
-                    "cannot hold yet"
+                    "the runtime conditions on it through a CLIP vision encoder, which this "
+                    f"model lacks: {ADD_CLIP_VISION}"
                 )
             else:
                 why = "the runtime ignores it for this model"
-            readers = {
-                "init_image": "Wan2.2-TI2V-5B, Wan2.2-I2V-14B or a VACE model",
-                "end_image": "Wan2.2-I2V-14B",
-            }[name]
-            raise InvalidParameterError(name, f"{self.desc} takes no {name}: {why} (use {readers})")
+            raise InvalidParameterError(
+                name, f"{self.desc} takes no {name}: {why} (use {READERS[name]})"
+            )
 
     def check(self, params: VideoParams) -> None:
         """InvalidParameterError naming an input image or a high-noise parameter this model
@@ -152,6 +181,14 @@ def check_header(header: FileHeader, what: str) -> None:
             "and ends the process on any other count, so it is not loaded",
             role="diffusion_model",
         )
+    if layers == 30 and any(FLF_MARKER in n for n in _names(header)):
+        raise ModelLoadError(
+            f"{what}: a 30-layer Wan diffusion model with {FLF_MARKER} (first-last-frame at "
+            "the 1.3B width): the runtime gives it one image's 257 CLIP vision tokens where "
+            "emb_pos takes 514 and ends the process at the first step (it runs first-last-"
+            "frame only for the 40-layer Wan2.1-FLF2V-14B), so it is not loaded",
+            role="diffusion_model",
+        )
 
 
 def _patch_channels(header: FileHeader) -> int:
@@ -171,7 +208,7 @@ def describe(header: FileHeader, text_encoder: bool) -> VideoModel | None:
     names = _names(header)
     layers = wan_layers(header)
     i2v = any("img_emb" in n for n in names)
-    flf = any("img_emb.emb_pos" in n for n in names)
+    flf = any(FLF_MARKER in n for n in names)
     vace = any(_VACE_BLOCK.search(n) for n in names)
     channels = _patch_channels(header)
     if layers == 30:
@@ -179,8 +216,8 @@ def describe(header: FileHeader, text_encoder: bool) -> VideoModel | None:
             return VideoModel("Wan2.2-TI2V-5B", layers, True, False, text_encoder)
         if vace:
             return VideoModel("Wan2.1-VACE-1.3B", layers, True, False, text_encoder)
-        if i2v:
-            return VideoModel("Wan2.1-I2V-1.3B", layers, False, False, text_encoder)
+        if i2v:  # the runtime's name whether or not it has emb_pos (check_header)
+            return VideoModel("Wan2.1-I2V-1.3B", layers, True, True, text_encoder, first_last=flf)
         return VideoModel("Wan2.1-T2V-1.3B", layers, False, False, text_encoder)
     if not i2v:
         if channels == I2V_22_CHANNELS:
@@ -189,7 +226,7 @@ def describe(header: FileHeader, text_encoder: bool) -> VideoModel | None:
             return VideoModel("Wan2.x-VACE-14B", layers, True, False, text_encoder)
         return VideoModel("Wan2.x-T2V-14B", layers, False, False, text_encoder)
     desc = "Wan2.1-FLF2V-14B" if flf else "Wan2.1-I2V-14B"
-    return VideoModel(desc, layers, False, False, text_encoder)
+    return VideoModel(desc, layers, True, True, text_encoder, first_last=flf)
 
 
 def check_pair(files: Mapping[str, tuple[FileHeader, str]], name: str) -> None:
@@ -225,6 +262,33 @@ def check_pair(files: Mapping[str, tuple[FileHeader, str]], name: str) -> None:
         )
 
 
+def check_clip_vision(files: Mapping[str, tuple[FileHeader, str]], name: str) -> None:
+    """ModelLoadError for a Wan2.1 image-to-video DiT without a clip_vision file (the runtime
+    builds its CLIP vision encoder and fails the load on the missing tensors, hundreds of
+    error records) and for a clip_vision file beside any other model (the runtime reads it
+    only for those DiTs: it would lie unused). `files` maps roles to (header, file name)."""
+    main = files.get("diffusion_model") or files.get("checkpoint")
+    vm = describe(main[0], False) if main is not None else None
+    needs = vm is not None and vm.needs_clip_vision
+    vision = files.get(CLIP_VISION)
+    if needs and vision is None:
+        assert vm is not None and main is not None
+        raise ModelLoadError(
+            f"model {name}: its diffusion model {main[1]} is {vm.desc}"
+            f"{' (first-last-frame)' if vm.first_last else ''}, which the runtime loads only "
+            f"with a CLIP vision encoder for its input images; {ADD_CLIP_VISION}",
+            role=CLIP_VISION,
+        )
+    if vision is not None and not needs:
+        what = vm.desc if vm is not None else "not a Wan2.1 image-to-video model"
+        raise ModelLoadError(
+            f"{CLIP_VISION} file {vision[1]} of model {name}: the runtime reads a CLIP vision "
+            f"encoder only for a Wan2.1 I2V / FLF2V diffusion model (img_emb.*), and this "
+            f"model's is {what}; remove the file or name it in another model",
+            role=CLIP_VISION,
+        )
+
+
 def video_model(model: Model) -> VideoModel | None:
     """The video model `model` is (its diffusion model's or checkpoint's reading), or None for
     an image model. Read once per Model object and kept in its `__dict__` (a frozen
@@ -252,6 +316,8 @@ def _read_video_model(model: Model) -> VideoModel | None:
     found = describe(header, text)
     if found is not None and HIGH_NOISE in model.files:
         found = replace(found, moe=True)
+    if found is not None and CLIP_VISION in model.files:
+        found = replace(found, clip_vision=True)
     return found
 
 

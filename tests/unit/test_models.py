@@ -650,7 +650,9 @@ def test_role_params_cover_every_role() -> None:
         "clip_g",
         "t5xxl",
         "llm",
+        "clip_vision",
         "vae",
         "taesd",
     }
     assert ROLE_PARAMS["checkpoint"] == "model_path"
+    assert ROLE_PARAMS["clip_vision"] == "clip_vision_path"
