@@ -248,8 +248,9 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument(
         "--video",
         action="store_true",
-        help="also the random-weight Wan2.1 video models wan-t2v-test and wan-vace-test "
-        "(about 1.9 GB)",
+        help="also the random-weight Wan video models wan-t2v-test, wan-vace-test, "
+        "wan-moe-test and wan-i2v-test (an image-to-video DiT with a CLIP vision encoder: it "
+        "takes init and end images)",
     )
     m.add_argument(
         "--vae",

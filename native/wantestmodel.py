@@ -62,6 +62,14 @@ VACE_LAYERS = 1
 """The VACE test model's VACE blocks: the real VACE 1.3B has 15 (one every second layer); the
 runtime maps any count evenly over the 30 layers, and one keeps the file small."""
 
+# OpenCLIP ViT-H/14's vision tower, the runtime's one CLIP vision encoder (src/clip.hpp).
+VISION_DIM = 1280
+VISION_MLP = 5120
+VISION_LAYERS = 32
+VISION_PATCH = 14
+VISION_TOKENS = 257  # (224 / 14)^2 patches + the class token
+VISION_PROJECTION = 1024
+
 Q4_0_BLOCK = 32
 Q4_0_BYTES = 18  # f16 scale + 16 bytes of 4-bit values
 Q4_0_SPREAD = 4.61  # standard deviation of (q - 8) for q uniform on 0..15
@@ -78,9 +86,26 @@ class WanArch:
     dim: int
     ffn_dim: int
     in_dim: int
+    image_tokens: int = 0
+    """0: text-to-video. Else an image-to-video DiT (Wan2.1 I2V): `img_emb` projects the CLIP
+    vision encoder's tokens and every block's cross attention has `k_img`/`v_img`; 514 (two
+    images of 257) adds `img_emb.emb_pos`, the first-last-frame position embedding."""
 
 
 T2V_1_3B = WanArch("Wan2.1-T2V-1.3B", LAYERS, DIM, FFN_DIM, IN_DIM)
+IMAGE_TOKENS = 257
+"""The CLIP vision tokens of one image (a 224-pixel image in 14-pixel patches, plus one)."""
+FLF_TOKENS = 514
+"""The runtime's emb_pos length (flf_pos_embed_token_number in src/wan.hpp): two images' 257."""
+I2V_1_3B = WanArch("Wan2.1-I2V-1.3B", LAYERS, DIM, FFN_DIM, 36, IMAGE_TOKENS)
+"""An image-to-video DiT at the 1.3B width: the T2V 1.3B's blocks with Wan2.1 I2V's image
+inputs (in_dim 36: 16 noise + 4 mask + 16 image-latent channels; img_emb; k_img/v_img). No
+such checkpoint was released, but the runtime builds it from a 30-layer DiT with img_emb
+(WanRunner: "Wan2.1-I2V-1.3B"): it encodes the init image through the CLIP vision encoder and
+pins the init and end images as the first and last frames of the conditioning latent
+(prepare_video_generation_latents). Not first-last-frame (no img_emb.emb_pos): at 30 layers
+the runtime passes one image's 257 CLIP tokens to an emb_pos of 514 and aborts (MLPProj in
+src/wan.hpp), so FLF2V exists at 40 layers only (Wan2.1-FLF2V-14B)."""
 I2V_14B = WanArch("Wan2.2-I2V-14B", 40, 5120, 13824, 36)
 """Wan2.2-I2V-A14B's DiT (each of its two experts): 40 layers of dim 5120, in_dim 36 (16 noise
 + 4 mask + 16 image-latent channels), no img_emb, so the patch embedding has 184320 channels
@@ -111,6 +136,10 @@ def dit_specs(
                 linear(f"{b}.{attn}.{p}", dim, dim)
             out[f"{b}.{attn}.norm_q.weight"] = ((dim,), "f32")
             out[f"{b}.{attn}.norm_k.weight"] = ((dim,), "f32")
+        if arch.image_tokens:  # WanI2VCrossAttention
+            linear(f"{b}.cross_attn.k_img", dim, dim)
+            linear(f"{b}.cross_attn.v_img", dim, dim)
+            out[f"{b}.cross_attn.norm_k_img.weight"] = ((dim,), "f32")
         out[f"{b}.norm3.weight"] = ((dim,), "f32")
         out[f"{b}.norm3.bias"] = ((dim,), "f32")
         linear(f"{b}.ffn.0", dim, arch.ffn_dim)
@@ -128,6 +157,15 @@ def dit_specs(
         block(f"blocks.{i}")
     out["head.modulation"] = ((1, 2, dim), "f32")
     linear("head.head", dim, OUT_DIM * PATCH[0] * PATCH[1] * PATCH[2])
+    if arch.image_tokens:  # MLPProj of the CLIP vision tokens (width VISION_DIM)
+        out["img_emb.proj.0.weight"] = ((VISION_DIM,), "gain")
+        out["img_emb.proj.0.bias"] = ((VISION_DIM,), "f32")
+        linear("img_emb.proj.1", VISION_DIM, VISION_DIM)
+        linear("img_emb.proj.3", VISION_DIM, dim)
+        out["img_emb.proj.4.weight"] = ((dim,), "gain")
+        out["img_emb.proj.4.bias"] = ((dim,), "f32")
+        if arch.image_tokens == FLF_TOKENS:
+            out["img_emb.emb_pos"] = ((1, FLF_TOKENS, VISION_DIM), "f32")
     for i in range(vace_layers):
         block(f"vace_blocks.{i}")
         if i == 0:
@@ -136,6 +174,39 @@ def dit_specs(
     if vace_layers:
         out["vace_patch_embedding.weight"] = ((dim * VACE_IN_DIM, *PATCH), "conv")
         out["vace_patch_embedding.bias"] = ((dim,), "f32")
+    return out
+
+
+def vision_specs() -> dict[str, tuple[tuple[int, ...], str]]:
+    """{name: (PyTorch shape, kind)} of OpenCLIP ViT-H/14's vision tower with Hugging Face
+    names, as the clip_vision_h file of Wan2.1 I2V has them (the runtime prefixes
+    `cond_stage_model.transformer.`). The runtime builds this encoder at its one size
+    (FrozenCLIPVisionEmbedder, CLIPVisionModel in src/clip.hpp: 32 layers of 1280, MLP 5120,
+    224-pixel images in 14-pixel patches) and loads nothing with a tensor missing
+    (ModelLoader::load_tensors), so it cannot be smaller than 632 M parameters."""
+    out: dict[str, tuple[tuple[int, ...], str]] = {}
+    d = VISION_DIM
+    v = "vision_model"
+    out[f"{v}.embeddings.patch_embedding.weight"] = ((d, 3, VISION_PATCH, VISION_PATCH), "conv")
+    out[f"{v}.embeddings.class_embedding"] = ((d,), "f32")
+    out[f"{v}.embeddings.position_embedding.weight"] = ((VISION_TOKENS, d), "f32")
+    out[f"{v}.pre_layrnorm.weight"] = ((d,), "gain")  # sic: the Hugging Face name
+    out[f"{v}.pre_layrnorm.bias"] = ((d,), "f32")
+    for i in range(VISION_LAYERS):
+        b = f"{v}.encoder.layers.{i}"
+        for p in ("q_proj", "k_proj", "v_proj", "out_proj"):
+            out[f"{b}.self_attn.{p}.weight"] = ((d, d), "linear")
+            out[f"{b}.self_attn.{p}.bias"] = ((d,), "f32")
+        for n in ("layer_norm1", "layer_norm2"):
+            out[f"{b}.{n}.weight"] = ((d,), "gain")
+            out[f"{b}.{n}.bias"] = ((d,), "f32")
+        out[f"{b}.mlp.fc1.weight"] = ((VISION_MLP, d), "linear")
+        out[f"{b}.mlp.fc1.bias"] = ((VISION_MLP,), "f32")
+        out[f"{b}.mlp.fc2.weight"] = ((d, VISION_MLP), "linear")
+        out[f"{b}.mlp.fc2.bias"] = ((d,), "f32")
+    out[f"{v}.post_layernorm.weight"] = ((d,), "gain")
+    out[f"{v}.post_layernorm.bias"] = ((d,), "f32")
+    out["visual_projection.weight"] = ((VISION_PROJECTION, d), "linear")
     return out
 
 
@@ -245,17 +316,20 @@ def _q4_0_weight(part: str, name: str, shape: tuple[int, int]) -> np.ndarray:
     return data.reshape(rows, cols // Q4_0_BLOCK * Q4_0_BYTES)
 
 
-def _dit_tensors(
-    arch: WanArch, vace_layers: int, part: str
+def _tensors(
+    specs: dict[str, tuple[tuple[int, ...], str]], part: str
 ) -> Iterator[tuple[str, np.ndarray, object]]:
+    """Each tensor of `specs` as written: "linear" q4_0, "conv" f16, "gain" ones, else f32."""
     import gguf
 
     q4_0 = gguf.GGMLQuantizationType.Q4_0
-    for name, (shape, kind) in dit_specs(None, vace_layers, arch).items():
+    for name, (shape, kind) in specs.items():
         if kind == "linear":
             yield name, _q4_0_weight(part, name, shape), q4_0  # type: ignore[arg-type]
         elif kind == "conv":
             yield name, _float_weight(part, name, shape).astype(np.float16), None
+        elif kind == "gain":
+            yield name, np.ones(shape, dtype=np.float32), None
         else:
             yield name, _float_weight(part, name, shape), None
 
@@ -266,18 +340,29 @@ def write_dit(
     """A DiT of `arch` as GGUF, streamed tensor by tensor (peak memory: the largest tensor).
     `part` seeds the weights: another part gives another DiT of the same architecture (the
     high-noise expert of a pair)."""
+    _write_gguf(path, dit_specs(None, vace_layers, arch), part, arch.desc)
+
+
+def write_vision(path: Path) -> None:
+    """The CLIP vision encoder (`vision_specs`) as GGUF, linear weights q4_0."""
+    _write_gguf(path, vision_specs(), "clip-vision", "OpenCLIP ViT-H/14 vision")
+
+
+def _write_gguf(
+    path: Path, specs: dict[str, tuple[tuple[int, ...], str]], part: str, desc: str
+) -> None:
     import gguf
 
     tmp = path.with_name(f".{path.name}.tmp")
     try:
         writer = gguf.GGUFWriter(str(tmp), arch="sdfarm-wan-test")
-        writer.add_name(f"sdfarm random-weight {arch.desc} test model, seed {SEED}/{part}")
-        for name, arr, raw in _dit_tensors(arch, vace_layers, part):  # shapes first
+        writer.add_name(f"sdfarm random-weight {desc} test model, seed {SEED}/{part}")
+        for name, arr, raw in _tensors(specs, part):  # shapes first
             writer.add_tensor_info(name, arr.shape, arr.dtype, arr.nbytes, raw_dtype=raw)  # type: ignore[arg-type]
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
-        for _name, arr, _raw in _dit_tensors(arch, vace_layers, part):
+        for _name, arr, _raw in _tensors(specs, part):
             writer.write_tensor_data(arr)
         writer.close()
         os.chmod(tmp, 0o644)
@@ -317,6 +402,9 @@ class DitFile:
 
 HIGH_NOISE_FILE = "dit-high-noise.gguf"
 MOE_NAME = "wan-moe-test"
+I2V_NAME = "wan-i2v-test"
+I2V_DIT_FILE = "dit-i2v.gguf"
+VISION_FILE = "clip-vision.gguf"
 VARIANTS: dict[str, dict[str, DitFile]] = {
     NAME: {"diffusion_model": DitFile(DIT_FILE)},
     VACE_NAME: {"diffusion_model": DitFile(DIT_FILE, vace_layers=VACE_LAYERS)},
@@ -324,7 +412,10 @@ VARIANTS: dict[str, dict[str, DitFile]] = {
         "diffusion_model": DitFile(DIT_FILE),
         "high_noise_diffusion_model": DitFile(HIGH_NOISE_FILE, part="dit-high-noise"),
     },
+    I2V_NAME: {"diffusion_model": DitFile(I2V_DIT_FILE, arch=I2V_1_3B)},
 }
+VISION_FILES: dict[str, str] = {I2V_NAME: VISION_FILE}
+"""The test models that hold a CLIP vision encoder (role clip_vision) beside their DiT."""
 """The test models: folder name -> {role: DiT file}; each has the Wan 2.1 VAE beside. The MoE
 one is a Wan 2.2-style pair (the T2V DiT as the low-noise expert, another of the same
 architecture as the high-noise one): the runtime samples any pair of one variant alike, and two
@@ -364,8 +455,17 @@ def make_wan_test_model(out_dir: str | os.PathLike[str], name: str = NAME) -> Pa
     vae = folder / VAE_FILE
     if not vae.exists() and not _link_sibling(vae, root, name, None):
         write_vae(vae)
+    extra: dict[str, str] = {}
+    if name in VISION_FILES:
+        extra["clip_vision"] = VISION_FILES[name]
+        if not (folder / VISION_FILES[name]).exists():
+            write_vision(folder / VISION_FILES[name])
     manifest = {
-        "files": {**{role: spec.name for role, spec in files.items()}, "vae": VAE_FILE},
+        "files": {
+            **{role: spec.name for role, spec in files.items()},
+            **extra,
+            "vae": VAE_FILE,
+        },
         "native_size": list(NATIVE_SIZE),
     }
     (folder / "model.json").write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")

@@ -83,6 +83,16 @@ def vace_model(wan_model: Path) -> Path:
 
 
 @pytest.fixture(scope="session")
+def i2v_model(wan_model: Path) -> Path:
+    """The image-to-video variant of the Wan test model: a Wan2.1 I2V DiT at the 1.3B width
+    (img_emb, in_dim 36) with a CLIP vision encoder (OpenCLIP ViT-H/14, q4_0) beside it in the
+    cache (1.25 GB more, about 12 s; the VAE hard-linked)."""
+    from sdfarm.native.wantestmodel import I2V_NAME, cached_wan_test_model
+
+    return cached_wan_test_model(I2V_NAME)
+
+
+@pytest.fixture(scope="session")
 def moe_model(wan_model: Path) -> Path:
     """The Wan 2.2-style MoE pair of the test model: its T2V DiT as the low-noise expert and
     another of the same architecture as the high_noise_diffusion_model, beside it in the cache
