@@ -149,6 +149,14 @@ def cmd_cancel(args: argparse.Namespace) -> int:
     return 0
 
 
+def _model_line(m: dict[str, Any]) -> str:
+    """A model's line: its name, and for a video model its variant (and CLIP vision encoder)."""
+    if not m.get("video"):
+        return str(m.get("name", m))
+    vision = ", CLIP vision encoder" if m.get("clip_vision") else ""
+    return f"{m['name']} (video: {m['video']}{vision})"
+
+
 def cmd_models(args: argparse.Namespace) -> int:
     try:
         farm = _connect(_need_url(args))
@@ -161,7 +169,7 @@ def cmd_models(args: argparse.Namespace) -> int:
               "embeddings": embeddings})  # fmt: skip
     else:
         for m in models:
-            print(m if isinstance(m, str) else m.get("name", m))
+            print(m if isinstance(m, str) else _model_line(m))
         for u in upscalers:
             print(f"{u['name']} (upscaler, x{u['scale']})")
         for name in controlnets:

@@ -128,7 +128,8 @@ class Farm:
 
     def models(self) -> list[dict[str, Any]]:
         """Every model some live worker can load: name, bytes, native size, the devices that
-        have it and those that hold it loaded now."""
+        have it and those that hold it loaded now; a video model also its `video` variant and
+        whether it has a CLIP vision encoder (`clip_vision`: it takes input images through it)."""
         hbs = self._heartbeats(fresh=True)
         out = []
         for name in farm_models(hbs):
@@ -145,6 +146,8 @@ class Farm:
                     "native_size": list(facts.native_size),
                     "devices": have,
                     "loaded_on": loaded,
+                    **({"video": facts.video} if facts.video else {}),
+                    **({"clip_vision": True} if facts.vision else {}),
                 }
             )
         return out
