@@ -27,14 +27,17 @@ class FarmFullError(FarmError):
 
 
 class UnknownModelError(FarmError, LookupError):
-    """No worker of the farm has the model; `available` lists those it has."""
+    """No worker of the farm has the model; `available` lists those it has, `bad` is why a
+    worker that has its folder cannot load it (its heartbeat's bad_models), if one does."""
 
-    def __init__(self, model: str, available: list[str]) -> None:
+    def __init__(self, model: str, available: list[str], bad: str | None = None) -> None:
+        why = f"; a worker has it but cannot load it: {bad}" if bad else ""
         super().__init__(
-            f"unknown model {model!r}: the farm has {', '.join(available) or 'no models'}"
+            f"unknown model {model!r}: the farm has {', '.join(available) or 'no models'}{why}"
         )
         self.model = model
         self.available = available
+        self.bad = bad
 
 
 class JobFailed(FarmError):

@@ -241,7 +241,15 @@ class Farm:
         if hbs and model_facts(hbs, model) is None:
             hbs = self._heartbeats(fresh=True)
             if hbs and model_facts(hbs, model) is None:
-                raise UnknownModelError(model, farm_models(hbs))
+                bad = next(
+                    (
+                        str(hb["bad_models"][model])
+                        for hb in hbs.values()
+                        if isinstance(hb.get("bad_models"), dict) and model in hb["bad_models"]
+                    ),
+                    None,
+                )
+                raise UnknownModelError(model, farm_models(hbs), bad)
 
     def _model_facts(self, model: str) -> ModelFacts | None:
         """The live workers' facts of `model` (None when none lists it: `submit_spec` says

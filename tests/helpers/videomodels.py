@@ -17,9 +17,11 @@ from PIL import Image
 
 CHILD = """
 import hashlib, json, sys
+from pathlib import Path
 from sdfarm.native.engine import Engine
+images = {k: Path(v).read_bytes() for k, v in json.loads(sys.argv[3]).items()}
 with Engine.load(sys.argv[1], device="cpu", threads=2) as engine:
-    r = engine.video(**json.loads(sys.argv[2]))
+    r = engine.video(**json.loads(sys.argv[2]), **images)
 print(hashlib.sha256(b"".join(f.tobytes() for f in r.frames)).hexdigest())
 """
 
@@ -29,10 +31,12 @@ def digest(frames: list[Image.Image]) -> str:
     return hashlib.sha256(b"".join(f.tobytes() for f in frames)).hexdigest()
 
 
-def digest_in_child(model: Path, params: dict) -> str:
-    """`digest` of the frames a fresh process makes of `params` with the model in `model`."""
+def digest_in_child(model: Path, params: dict, images: dict[str, Path] | None = None) -> str:
+    """`digest` of the frames a fresh process makes of `params` with the model in `model`;
+    `images` names input images by their files (read in the child)."""
+    files = {k: str(v) for k, v in (images or {}).items()}
     child = subprocess.run(
-        [sys.executable, "-c", CHILD, str(model), json.dumps(params)],
+        [sys.executable, "-c", CHILD, str(model), json.dumps(params), json.dumps(files)],
         capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert child.returncode == 0, child.stderr[-2000:]
