@@ -12,6 +12,9 @@ runs, less its reading before.
 
 `--variant moe` runs the Wan 2.2-style MoE pair of the test model (a high_noise_diffusion_model
 beside the same DiT: both stay loaded) with one step of each expert (high_noise_steps 1).
+`--variant i2v` runs the image-to-video variant (a Wan2.1 I2V DiT and its CLIP vision encoder)
+with an init and an end image of the frame size, and reports the runtime's compute buffers and
+the encoder's time (its debug records).
 """
 
 from __future__ import annotations
@@ -36,7 +39,11 @@ CASES = (
 )
 
 
-VARIANTS = {"t2v": ("wan-t2v-test", {}), "moe": ("wan-moe-test", {"high_noise_steps": 1})}
+VARIANTS = {
+    "t2v": ("wan-t2v-test", {}),
+    "moe": ("wan-moe-test", {"high_noise_steps": 1}),
+    "i2v": ("wan-i2v-test", {"images": True}),
+}
 """--variant: the test model's folder name and what each video adds to its parameters."""
 
 
@@ -46,16 +53,21 @@ def child(w: int, h: int, frames: int, device: str, model: str, extra: dict | No
     so the model is written by another process first (`test_model`)."""
     import resource
 
-    from sdfarm.native.engine import Engine
+    from sdfarm.native.engine import Engine, LogConfig
     from sdfarm.native.png import png_bytes
 
+    extra = dict(extra or {})
+    images = extra.pop("images", False)
+    if images:  # an init and an end image of the frame size (PIL only: no numpy here)
+        extra.update(init_image=_png(w, h, (200, 40, 40)), end_image=_png(w, h, (40, 40, 200)))
+    log = LogConfig(level="debug") if images else None
     t = time.monotonic()
-    with Engine.load(model, device=device, threads=2) as engine:
+    with Engine.load(model, device=device, threads=2, log=log) as engine:
         load_s = time.monotonic() - t
         t = time.monotonic()
         result = engine.video(
             prompt="a bench", width=w, height=h, frames=frames, steps=1, cfg_scale=1.0, seed=1,
-            **(extra or {}),
+            **extra,
         )  # fmt: skip
         seconds = time.monotonic() - t
         pngs = [png_bytes(f, {**result.metadata, "frame": i}) for i, f in enumerate(result.frames)]
@@ -75,7 +87,30 @@ def child(w: int, h: int, frames: int, device: str, model: str, extra: dict | No
         "load_s": round(load_s, 2),
         "generate_s": round(seconds, 2),
         "result_bytes": sum(map(len, pngs)) + len(result.webp),
+        **({"compute_buffers": _buffers(result.records)} if images else {}),
     }
+
+
+def _png(w: int, h: int, color: tuple[int, int, int]) -> bytes:
+    import io
+
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (w, h), color).save(buf, "PNG")
+    return buf.getvalue()
+
+
+def _buffers(records: list) -> list[str]:
+    """The runtime's compute buffer records of the job (e.g. "clip_vision compute buffer
+    size: 10.88 MB(RAM)") and its stage times (the CLIP vision encoder's, the whole video's),
+    in order."""
+    keys = ("compute buffer size", "get_clip_vision_output completed", "generate_video completed")
+    return [
+        r.message.removeprefix("stable_diffusion: ")
+        for r in records
+        if any(k in r.message for k in keys)
+    ]
 
 
 def test_model(name: str = "wan-t2v-test") -> str:
@@ -127,6 +162,8 @@ def main() -> int:
             f"load {row['load_s']} s  generate {row['generate_s']} s",
             flush=True,
         )
+        for line in row.get("compute_buffers") or ():
+            print(f"    {line}", flush=True)
     doc = {
         "what": "peak RSS of one video job (fresh process, frames PNG-encoded, animated WebP) "
         "vs ModelFacts.video_estimate; random-weight Wan2.1 T2V 1.3B (q4_0 DiT, f16 VAE, no "
@@ -135,6 +172,12 @@ def main() -> int:
             "; as a MoE pair: a second DiT of the same architecture as high_noise_diffusion_model"
             ", one step of each expert (high_noise_steps 1)"
             if args.variant == "moe"
+            else ""
+        )
+        + (
+            "; as Wan2.1-I2V-1.3B (img_emb, in_dim 36) with its CLIP vision encoder (OpenCLIP "
+            "ViT-H/14, q4_0), an init and an end image of the frame size"
+            if args.variant == "i2v"
             else ""
         ),
         "model": name,
