@@ -93,11 +93,11 @@ class VideoParams:
     )
     init_image: bytes | None = param(
         "image", None, "the first frame (image-to-video models: Wan2.2 TI2V 5B, Wan2.2 I2V "
-        "14B; a VACE model's reference image)",
+        "14B, Wan2.1 I2V / FLF2V with a CLIP vision encoder; a VACE model's reference image)",
     )  # fmt: skip
     end_image: bytes | None = param(
-        "image", None, "the last frame, of the frame size (first-last-frame models: Wan2.2 I2V "
-        "14B)",
+        "image", None, "the last frame, of the frame size (Wan2.2 I2V 14B; Wan2.1 I2V / FLF2V "
+        "with a CLIP vision encoder)",
     )  # fmt: skip
     high_noise_steps: int = param(
         "int", SWITCH_AT_BOUNDARY, "steps of a Wan 2.2 pair's high-noise expert, before `steps` "
