@@ -271,8 +271,7 @@ def check_clip_vision(files: Mapping[str, tuple[FileHeader, str]], name: str) ->
     vm = describe(main[0], False) if main is not None else None
     needs = vm is not None and vm.needs_clip_vision
     vision = files.get(CLIP_VISION)
-    if needs and vision is None:
-        assert vm is not None and main is not None
+    if vision is None and vm is not None and main is not None and needs:
         raise ModelLoadError(
             f"model {name}: its diffusion model {main[1]} is {vm.desc}"
             f"{' (first-last-frame)' if vm.first_last else ''}, which the runtime loads only "
