@@ -183,3 +183,12 @@ def test_model_facts_give_the_term_to_a_model_with_a_clip_vision_file(tmp_path: 
     assert facts.vision == CLIP_VISION_COMPUTE_BYTES and facts.video == "Wan2.1-I2V-1.3B"
     assert facts.bytes == model.total_bytes  # the encoder's file counts with the others
     assert model.component_bytes()["diffusion"] == model.total_bytes
+
+
+def test_sdfarm_models_shows_a_video_model_s_variant_and_its_encoder() -> None:
+    from sdfarm.cli.jobs import _model_line
+
+    assert _model_line({"name": "tiny"}) == "tiny"
+    assert _model_line({"name": "w", "video": "Wan2.1-T2V-1.3B"}) == "w (video: Wan2.1-T2V-1.3B)"
+    held = {"name": "i", "video": "Wan2.1-I2V-1.3B", "clip_vision": True}
+    assert _model_line(held) == "i (video: Wan2.1-I2V-1.3B, CLIP vision encoder)"
