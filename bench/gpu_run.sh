@@ -27,6 +27,9 @@
 #   bash bench/gpu_run.sh vkcheck   # the VAE-attention estimate at 2048 and 4096 on Vulkan
 #   bash bench/gpu_run.sh peerone   # build, then the farm per N at 512/1024 x 1/4 steps
 #   bash bench/gpu_run.sh peertwo   # right after peerone: the same under CUDA MPS; the peer
+#   bash bench/gpu_run.sh peerthree # MPS at N = 4, 8
+#   bash bench/gpu_run.sh effprefetch # 500 jobs, SDFARM_PREFETCH 1 and 2; the MPS probe
+#   bash bench/gpu_run.sh nextlease # chained jobs off/on over 500 jobs; I2V video peak; TAESD + MPS
 #
 # Carried: .whl/*.whl (our dependencies and pytest for python3.12), .carry/{redis-server,
 # stable_diffusion_cpp_python-0.4.7.tar.gz}; for the Vulkan stages also .gl/*.deb (Vulkan
@@ -675,6 +678,31 @@ effprefetch() {
     fi
 }
 
+# What this session's device time did not reach (for the next lease): one slot's GPU
+# efficiency over 500 jobs with chained jobs off and on (SDFARM_CHAIN, sdfarm.worker.chain),
+# side by side; the image-to-video test model's GPU peak against its estimate (the CLIP vision
+# term); the farm with TAESD as the decoder under MPS.
+nextlease() {
+    ensure
+    mkdir -p "$OUT/cuda"
+    for ch in 0 1; do
+        SDFARM_CHAIN=$ch stage 90 "efficiency-chain$ch" bench/farm_efficiency.py \
+            --model "$MODEL" --device CUDA0 --jobs 500 --size 512 --log-dir "$FARM_LOGS/chain$ch" \
+            --out "$OUT/cuda/cuda-efficiency-500-chain$ch.json"
+    done
+    stage 120 video-i2v bench/video_memory.py --device CUDA0 --variant i2v \
+        --cases 256x256x17,480x832x17 --out "$OUT/cuda/cuda-video-memory-i2v.json"
+    if mps_start; then
+        for c in "512 40" "1024 16"; do
+            set -- $c
+            stage 80 "mps-taesd-$1" bench/farm_engines.py --device CUDA0 --model "$TAESD" \
+                --decoder taesd --engines 2,4 --jobs $(( $2 * 2 )) --size "$1" --steps 1 \
+                --timeout 120 --out "$OUT/cuda/cuda-farm-engines-mps-taesd-$1.json"
+        done
+        mps_stop
+    fi
+}
+
 # The engines-per-GPU curve under MPS past N=2 (peertwo's stages ran out of time there).
 peerthree() {
     ensure
@@ -704,8 +732,8 @@ peertwo() {
 case "$PHASE" in
     setup | bench1 | bench2) ;;
     cuda_recheck | cudafarm | overhead | speedbatch | gputests | cpu1024 | twogpu) ;;
-    features | tiling | peer | tilingpeer | decodefarm | lanes | extras | cudaopts | cudamore | vulkan | vkcheck | peerone | peertwo | peerthree | effprefetch) ;;
-    *) echo "usage: bash bench/gpu_run.sh setup|bench1|bench2|cuda_recheck|cudafarm|overhead|speedbatch|gputests|cpu1024|twogpu|features|tiling|peer|tilingpeer|decodefarm|lanes|extras|cudaopts|cudamore|vulkan|vkcheck|peerone|peertwo|peerthree|effprefetch" >&2; exit 2 ;;
+    features | tiling | peer | tilingpeer | decodefarm | lanes | extras | cudaopts | cudamore | vulkan | vkcheck | peerone | peertwo | peerthree | effprefetch | nextlease) ;;
+    *) echo "usage: bash bench/gpu_run.sh setup|bench1|bench2|cuda_recheck|cudafarm|overhead|speedbatch|gputests|cpu1024|twogpu|features|tiling|peer|tilingpeer|decodefarm|lanes|extras|cudaopts|cudamore|vulkan|vkcheck|peerone|peertwo|peerthree|effprefetch|nextlease" >&2; exit 2 ;;
 esac
 set -o pipefail
 mkdir -p "$OUT"
