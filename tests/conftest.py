@@ -11,6 +11,33 @@ from pathlib import Path
 
 import pytest
 
+HEAVY_FIRST = (
+    "tests/e2e/test_chaos.py",
+    "tests/e2e/test_crasher_sweep.py",
+    "tests/e2e/test_video_farm.py",
+    "tests/e2e/test_video_moe.py",
+    "tests/e2e/test_video_images.py",
+    "tests/e2e/test_video.py",
+    "tests/e2e/test_video_doors.py",
+    "tests/e2e/test_controlnet.py",
+    "tests/e2e/test_vae_tiling.py",
+    "tests/e2e/test_controlnet_farm.py",
+)
+"""The longest test files (CI's --durations), run first. `./dev test` gives each of two
+processes whole files in the order collected (pytest-xdist --dist loadfile): with the longest
+ones last, one process ran a 4-minute file alone at the end while the other core idled."""
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The HEAVY_FIRST files' tests before the rest, each file's own order kept."""
+    root = Path(str(config.rootpath))
+
+    def rank(item: pytest.Item) -> int:
+        rel = Path(str(item.path)).relative_to(root).as_posix()
+        return HEAVY_FIRST.index(rel) if rel in HEAVY_FIRST else len(HEAVY_FIRST)
+
+    items.sort(key=rank)  # stable: within a rank, collection order
+
 
 @pytest.fixture(scope="session")
 def redis_server() -> Iterator[object]:
