@@ -204,7 +204,7 @@ class Heartbeat:
             "queue": ctx.store.queue_length(cfg.device_key),
             "state": state,
             "current_job": ctx.current_job,
-            "unwritten": {j: e for j, (_, e) in list(ctx.uploader.unwritten.items())[:20]},
+            "unwritten": unwritten_of(ctx.uploader),
             "version": self._version,
             "incarnation": ctx.incarnation,
             "pid": os.getpid(),
@@ -228,7 +228,7 @@ class Heartbeat:
             "loading": loading,
             "loading_estimate": ctx.cache.loading_estimate if loading else 0,
             "held": ctx.cache.held_bytes(),
-            "unwritten": {j: e for j, (_, e) in list(ctx.uploader.unwritten.items())[:20]},
+            "unwritten": unwritten_of(ctx.uploader),
         }
 
     def publish(self) -> dict[str, Any]:
@@ -311,3 +311,10 @@ def _stopped(pid: int) -> bool:
 def _backend_family(device_name: str) -> str:
     """ "Vulkan1" -> "Vulkan", "CUDA0" -> "CUDA", "CPU" -> "CPU"."""
     return device_name.rstrip("0123456789") or device_name
+
+
+def unwritten_of(uploader: Any) -> dict[str, str]:
+    """Up to 20 jobs whose end the uploader still holds, with why."""
+    from sdfarm.worker.results import KEPT_WHOLE
+
+    return {j: e or KEPT_WHOLE for j, (_, e) in list(uploader.unwritten.items())[:20]}

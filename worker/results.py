@@ -25,7 +25,7 @@ import redis
 
 from sdfarm.native.png import png_bytes
 from sdfarm.store.results import REDIS_RESULT_MAX, RedisResults, ResultRefused, ResultStore, where
-from sdfarm.store.retry import retry_transient
+from sdfarm.store.retry import BUDGET_S, TRANSIENT, retry_transient
 
 log = logging.getLogger("sdfarm.worker")
 
@@ -34,6 +34,8 @@ MAX_RESULT_BYTES = REDIS_RESULT_MAX
 UNWRITTEN_RETRY_S = 5.0
 """How often the end of a job that Redis refused is tried again."""
 UNWRITTEN_CAP = 1000
+KEPT_WHOLE = "its result is kept and tried again: Redis was away"
+"""What the heartbeat says of a whole result held while Redis was away."""
 
 
 @dataclass
@@ -65,14 +67,18 @@ class Uploader:
         device_key: str,
         max_result_bytes: int = MAX_RESULT_BYTES,
         results: ResultStore | None = None,
+        retry_s: float = BUDGET_S,
     ) -> None:
         self._store = store
+        self._retry_s = retry_s
         self._device_key = device_key
         self.results = results or RedisResults(store, max_bytes=max_result_bytes)
         self._queue: queue.Queue[Finished | None] = queue.Queue()
         self.unwritten: dict[str, tuple[Finished, str]] = {}
-        """Jobs whose end Redis refused even as a failure, with why: tried again every
-        UNWRITTEN_RETRY_S (the heartbeat lists them)."""
+        """Jobs whose end is not written yet, tried again every UNWRITTEN_RETRY_S (the
+        heartbeat lists them): with why, those Redis refused even as a failure; with "",
+        whole results (images and all) kept while Redis stayed away past the retry budget
+        (a Sentinel failover can take longer: a finished image is not given up for that)."""
         self._pending = 0
         self._cond = threading.Condition()
         self._thread = threading.Thread(target=self._run, name="sdfarm-uploader", daemon=True)
@@ -111,6 +117,8 @@ class Uploader:
                 return
             try:
                 self.write(item)
+            except TRANSIENT as exc:  # Redis still away: keep the whole result, try again
+                self._keep_whole(item, exc)
             except redis.RedisError as exc:  # refused even as a failure: keep trying
                 self._keep_unwritten(item, exc)
             except Exception:  # noqa: BLE001 - one bad result must not stop the uploader
@@ -136,7 +144,9 @@ class Uploader:
             ] + list(item.extra)
             timings["encode_s"] = round(time.monotonic() - t, 4)
             try:
-                stored = retry_transient(lambda: self.results.put(item.job_id, pngs, item.dispatch))
+                stored = retry_transient(
+                    lambda: self.results.put(item.job_id, pngs, item.dispatch), self._retry_s
+                )
             except ResultRefused as exc:
                 state, error, pngs = "failed", str(exc), []
             except redis.ResponseError as exc:  # Redis full: fail in the smallest write there is
@@ -207,8 +217,17 @@ class Uploader:
                 job_fields=item.job_fields if fields is None else fields,
                 load_s=_positive(timings.get("load_s")),
                 generate_s=_positive(timings.get("generate_s")),
-            )
+            ),
+            self._retry_s,
         )
+
+    def _keep_whole(self, item: Finished, exc: Exception) -> None:
+        """Remember a job whose result could not be written because Redis stayed away (a
+        restart, a failover) past the retry budget: all of it, tried again as it is."""
+        log.error("job %s: Redis away (%s); its result is kept and tried again", item.job_id, exc)
+        self.unwritten[item.job_id] = (item, "")
+        while len(self.unwritten) > UNWRITTEN_CAP:
+            self.unwritten.pop(next(iter(self.unwritten)))
 
     def _keep_unwritten(self, item: Finished, exc: Exception) -> None:
         """Remember a job whose end Redis refused even as a failure (Redis full); the
@@ -225,11 +244,20 @@ class Uploader:
     def _retry_unwritten(self) -> None:
         for job_id, (item, error) in list(self.unwritten.items()):
             try:
-                self._finish(item, "failed", error, item.meta, [], 0)
-            except redis.RedisError:
-                return  # still refused: the next round
+                if error:
+                    self._finish(item, "failed", error, item.meta, [], 0)
+                else:
+                    self.write(item)  # a whole result: as if it had just come
+            except TRANSIENT:
+                return  # still away: the next round
+            except redis.RedisError as exc:
+                if error:
+                    return  # still refused: the next round
+                self._keep_unwritten(item, exc)  # back, but refusing it: end it as a failure
+                continue
             del self.unwritten[job_id]
-            log.info("job %s: its failure was written after all", job_id)
+            log.info("job %s: its %s was written after all", job_id,
+                     "failure" if error else "result")  # fmt: skip
 
 
 def _positive(value: Any) -> float | None:

@@ -4,6 +4,8 @@ folder store's keys never leave its folder."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from sdfarm.store import JobSpec, Store, keys
@@ -122,3 +124,40 @@ def test_a_late_run_of_a_job_never_touches_the_images_of_the_run_that_ended_it(
         left = sorted(str(p.relative_to(tmp_path / "shared")) for p in
                       (tmp_path / "shared").rglob("*.png"))  # fmt: skip
         assert left == keys_  # the late run's image was deleted again, only it
+
+
+def test_a_result_outlasting_a_redis_outage_is_kept_whole_and_written_after(
+    redis_url: str,
+) -> None:
+    """Redis away for longer than the uploader's retry budget (a Sentinel failover took 30 s
+    once in CI): the finished image is kept, not turned into a failure, and written as done
+    once Redis takes writes again. Writes are held back with CLIENT PAUSE ... WRITE."""
+    import redis
+    from PIL import Image
+
+    from sdfarm.store.results import read_pngs
+    from sdfarm.worker.results import KEPT_WHOLE, Finished, Uploader
+
+    store = Store.connect(redis_url, socket_timeout=0.3)
+    device = "away-host/CPU"
+    job_id, dispatch = _running_job(store, device)
+    up = Uploader(store, device, retry_s=0.5)
+    up.start()
+    try:
+        admin = redis.Redis.from_url(redis_url)
+        admin.execute_command("CLIENT", "PAUSE", "2500", "WRITE")
+        image = Image.new("RGB", (16, 16), (0, 120, 0))
+        up.submit(Finished(job_id, dispatch, "done", meta={"prompt": "p"}, images=[image]))
+        assert up.flush(10)
+        assert up.unwritten[job_id][1] == "" and store.state(job_id) == "running"
+        from sdfarm.worker.heartbeat import unwritten_of
+
+        assert unwritten_of(up) == {job_id: KEPT_WHOLE}
+        deadline = time.monotonic() + 20
+        while store.state(job_id) == "running" and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert store.state(job_id) == "done" and job_id not in up.unwritten
+        record = store.record(job_id)
+        assert len(read_pngs(record, store.ended(job_id).pngs, store)) == 1
+    finally:
+        up.stop()
