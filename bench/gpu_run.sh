@@ -660,16 +660,25 @@ mps_stop() {
     unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
 }
 
+# efficiency_by VAR TAG VALUE...: one engine slot's GPU efficiency over 500 jobs of 512x512
+# (bench/farm_efficiency.py), once per VALUE of the worker's setting VAR, side by side
+# ($OUT/cuda/cuda-efficiency-500-TAGVALUE.json).
+efficiency_by() {
+    local var=$1 tag=$2; shift 2
+    for v in "$@"; do
+        ( export "$var=$v"
+          stage 90 "efficiency-$tag$v" bench/farm_efficiency.py --model "$MODEL" --device CUDA0 \
+              --jobs 500 --size 512 --log-dir "$FARM_LOGS/$tag$v" \
+              --out "$OUT/cuda/cuda-efficiency-500-$tag$v.json" )
+    done
+}
+
 # One engine slot's GPU efficiency over 500 jobs with the worker reserving 1 and then 2
 # messages ahead (SDFARM_PREFETCH), side by side; then the MPS probe on a real daemon.
 effprefetch() {
     ensure
     mkdir -p "$OUT/cuda"
-    for pf in 1 2; do
-        SDFARM_PREFETCH=$pf stage 90 "efficiency-prefetch$pf" bench/farm_efficiency.py \
-            --model "$MODEL" --device CUDA0 --jobs 500 --size 512 --log-dir "$FARM_LOGS/eff$pf" \
-            --out "$OUT/cuda/cuda-efficiency-500-prefetch$pf.json"
-    done
+    efficiency_by SDFARM_PREFETCH prefetch 1 2
     if mps_start; then
         ls -la "$CUDA_MPS_PIPE_DIRECTORY"
         $PY -c "from sdfarm.native.mps import mps_active; print('sdfarm.native.mps.mps_active():', mps_active())"
@@ -685,11 +694,7 @@ effprefetch() {
 nextlease() {
     ensure
     mkdir -p "$OUT/cuda"
-    for ch in 0 1; do
-        SDFARM_CHAIN=$ch stage 90 "efficiency-chain$ch" bench/farm_efficiency.py \
-            --model "$MODEL" --device CUDA0 --jobs 500 --size 512 --log-dir "$FARM_LOGS/chain$ch" \
-            --out "$OUT/cuda/cuda-efficiency-500-chain$ch.json"
-    done
+    efficiency_by SDFARM_CHAIN chain 0 1
     stage 120 video-i2v bench/video_memory.py --device CUDA0 --variant i2v \
         --cases 256x256x17,480x832x17 --out "$OUT/cuda/cuda-video-memory-i2v.json"
     if mps_start; then
