@@ -30,6 +30,9 @@
 #   bash bench/gpu_run.sh peerthree # MPS at N = 4, 8
 #   bash bench/gpu_run.sh effprefetch # 500 jobs, SDFARM_PREFETCH 1 and 2; the MPS probe
 #   bash bench/gpu_run.sh nextlease # chained jobs off/on over 500 jobs; I2V video peak; TAESD + MPS
+#   bash bench/gpu_run.sh chainlease # nextlease's first half: chained jobs off/on over 500 jobs
+#   bash bench/gpu_run.sh i2vmps    # its second half: the I2V video peak; TAESD under MPS
+#   bash bench/gpu_run.sh lookahead # 500 jobs with the chain's lookahead off, on, on again
 #
 # Carried: .whl/*.whl (our dependencies and pytest for python3.12), .carry/{redis-server,
 # stable_diffusion_cpp_python-0.4.7.tar.gz}; for the Vulkan stages also .gl/*.deb (Vulkan
@@ -692,11 +695,33 @@ effprefetch() {
 # side by side; the image-to-video test model's GPU peak against its estimate (the CLIP vision
 # term); the farm with TAESD as the decoder under MPS.
 nextlease() {
+    chainlease
+    i2vmps
+}
+
+# One slot's GPU efficiency over 500 jobs with chained jobs off and on, side by side.
+chainlease() {
     ensure
     mkdir -p "$OUT/cuda"
     efficiency_by SDFARM_CHAIN chain 0 1
+}
+
+# Chained jobs with the lookahead (sdfarm.worker.chain) off and on, 500 jobs each, side by
+# side; then on once more (its spread between runs).
+lookahead() {
+    ensure
+    mkdir -p "$OUT/cuda"
+    efficiency_by SDFARM_LOOKAHEAD lookahead 0 1
+    efficiency_by SDFARM_LOOKAHEAD lookahead-again 1
+}
+
+# The image-to-video test model's GPU peak against its estimate; TAESD under MPS at N = 2, 4.
+i2vmps() {
+    PACK_LATER=1 ensure
+    mkdir -p "$OUT/cuda"
     stage 120 video-i2v bench/video_memory.py --device CUDA0 --variant i2v \
         --cases 256x256x17,480x832x17 --out "$OUT/cuda/cuda-video-memory-i2v.json"
+    pack_wait
     if mps_start; then
         for c in "512 40" "1024 16"; do
             set -- $c
@@ -737,8 +762,8 @@ peertwo() {
 case "$PHASE" in
     setup | bench1 | bench2) ;;
     cuda_recheck | cudafarm | overhead | speedbatch | gputests | cpu1024 | twogpu) ;;
-    features | tiling | peer | tilingpeer | decodefarm | lanes | extras | cudaopts | cudamore | vulkan | vkcheck | peerone | peertwo | peerthree | effprefetch | nextlease) ;;
-    *) echo "usage: bash bench/gpu_run.sh setup|bench1|bench2|cuda_recheck|cudafarm|overhead|speedbatch|gputests|cpu1024|twogpu|features|tiling|peer|tilingpeer|decodefarm|lanes|extras|cudaopts|cudamore|vulkan|vkcheck|peerone|peertwo|peerthree|effprefetch|nextlease" >&2; exit 2 ;;
+    features | tiling | peer | tilingpeer | decodefarm | lanes | extras | cudaopts | cudamore | vulkan | vkcheck | peerone | peertwo | peerthree | effprefetch | nextlease | chainlease | i2vmps | lookahead) ;;
+    *) echo "usage: bash bench/gpu_run.sh setup|bench1|bench2|cuda_recheck|cudafarm|overhead|speedbatch|gputests|cpu1024|twogpu|features|tiling|peer|tilingpeer|decodefarm|lanes|extras|cudaopts|cudamore|vulkan|vkcheck|peerone|peertwo|peerthree|effprefetch|nextlease|chainlease|i2vmps|lookahead" >&2; exit 2 ;;
 esac
 set -o pipefail
 mkdir -p "$OUT"
