@@ -207,6 +207,8 @@ def main() -> int:
                         "worker_pre_s": float(t.get("worker_pre_s") or 0.0),
                         "encode_s": t.get("encode_s"),
                         "queued_s": t.get("queued_s"),
+                        "chained": bool(res.metadata.get("chained")),
+                        "ahead": bool(res.metadata.get("ahead")),
                     }
                 )
             doc["client"] = {
@@ -219,6 +221,10 @@ def main() -> int:
                 "efficiency": round(sum(r["generate_s"] for r in rows) / client_makespan, 4),
             }
             doc["worker"] = analyse(rows) if rows else None
+            # how the jobs reached the engine (sdfarm.worker.chain): chained, prepared ahead
+            doc["jobs_chained"] = sum(r["chained"] for r in rows)
+            doc["jobs_prepared_ahead"] = sum(r["ahead"] for r in rows)
+            sdcli.say(f"chained {doc['jobs_chained']}, prepared ahead {doc['jobs_prepared_ahead']}")
             doc["per_job"] = [
                 {k: (round(v, 5) if isinstance(v, float) else v) for k, v in r.items()}
                 for r in rows

@@ -38,7 +38,9 @@ only ones without a TTL; each is bounded (a capped list, a set of devices, a has
 | `results:expiry` | zset | - | job id -> when its result expires (uncounted then) |
 
 The Celery queues (`sdfarm.{host}.{device}` and kombu's priority lists) are named in
-`sdfarm.store.transport`, the one module that knows Celery's wire format.
+`sdfarm.store.transport`, the one module that knows Celery's wire format, and so is each
+queue's `.held` hash (no TTL; one message per engine slot: the one it last took from the
+queue itself, put back if its process dies before claiming the job).
 """
 
 from __future__ import annotations

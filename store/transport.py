@@ -26,7 +26,7 @@ import base64
 import json
 import uuid
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 TASK_NAME = "sdfarm.generate"
 PRIORITY_STEPS = (0, 3, 6, 9)
@@ -209,14 +209,55 @@ def render(template: dict[str, Any], job_id: str, dispatch: str, queue: str) -> 
 # -- taking a device's next message directly (sdfarm.worker.chain) ---------------------------
 
 _POP_FIRST = """
-for i, key in ipairs(KEYS) do
-    local raw = redis.call('RPOP', key)
-    if raw then return {key, raw} end
+for i = 1, #KEYS - 1 do
+    local raw = redis.call('RPOP', KEYS[i])
+    if raw then
+        redis.call('HSET', KEYS[#KEYS], ARGV[1], raw, ARGV[1] .. ':list', KEYS[i])
+        return {KEYS[i], raw}
+    end
 end
 return false
 """
 """RPOP from the first non-empty list, in the order given: what kombu's BRPOP over the same
-lists does, without blocking (Redis 6.2 has no LMPOP)."""
+lists does, without blocking (Redis 6.2 has no LMPOP). The message is kept, in the same step,
+as the taker's held message (`held:{device}`), until it takes another."""
+
+_GIVE_BACK = """
+redis.call('RPUSH', KEYS[1], ARGV[1])
+redis.call('HDEL', KEYS[2], ARGV[2], ARGV[2] .. ':list')
+return 1
+"""
+
+_FORGET_HELD = """
+return redis.call('HDEL', KEYS[1], ARGV[1], ARGV[1] .. ':list')
+"""
+
+_RESTORE_HELD = """
+local raw = redis.call('HGET', KEYS[1], ARGV[1])
+local list = redis.call('HGET', KEYS[1], ARGV[1] .. ':list')
+redis.call('HDEL', KEYS[1], ARGV[1], ARGV[1] .. ':list')
+if raw and list then
+    redis.call('RPUSH', list, raw)
+    return 1
+end
+return 0
+"""
+
+
+class Message(NamedTuple):
+    """A task message taken from a device's lists: its job and dispatch, and where and how
+    it was stored (to put it back untouched)."""
+
+    job_id: str
+    dispatch: str
+    list_key: str
+    raw: bytes
+
+
+def held_key(device_key: str) -> str:
+    """The hash of the messages a device's slots took from its lists, by taker (a slot's
+    index): one each, its latest."""
+    return f"{queue_name(device_key)}.held"
 
 
 def parse(raw: str | bytes) -> tuple[str, str] | None:
@@ -236,17 +277,39 @@ def parse(raw: str | bytes) -> tuple[str, str] | None:
     return None
 
 
-def pop_next(client: Any, device_key: str) -> tuple[str, str] | None:
+def pop_next(client: Any, device_key: str, taker: str = "0") -> Message | None:
     """Take the device's next task message straight from its lists (highest priority list
-    first, oldest message first, as Celery's consumer would) and return its (job id,
-    dispatch); None when the lists are empty. A message this module cannot read is put back
-    where it was taken from, for Celery's own consumer, and None returned."""
+    first, oldest message first, as Celery's consumer would); None when the lists are empty.
+    The message stays recorded as `taker`'s held message until its next take, so a process
+    that dies holding it is replaced by one that puts it back (`restore_held`). A message
+    this module cannot read is put back where it was taken from, for Celery's own consumer,
+    and None returned."""
     lists = queue_lists(device_key)
-    got = client.eval(_POP_FIRST, len(lists), *lists)
+    got = client.eval(_POP_FIRST, len(lists) + 1, *lists, held_key(device_key), taker)
     if not got:
         return None
     key, raw = got
-    found = parse(raw)
-    if found is None:
-        client.rpush(key, raw)
-    return found
+    found = parse(raw) or ("", "")
+    message = Message(*found, key.decode() if isinstance(key, bytes) else key, raw)
+    if not message.job_id:
+        push_back(client, device_key, message, taker)
+        return None
+    return message
+
+
+def push_back(client: Any, device_key: str, message: Message, taker: str = "0") -> None:
+    """Put a message `taker` took back at the head of the list it came from, and hold it no
+    more (a stopping worker returns the message it took ahead)."""
+    client.eval(_GIVE_BACK, 2, message.list_key, held_key(device_key), message.raw, taker)
+
+
+def forget_held(client: Any, device_key: str, taker: str = "0") -> None:
+    """`taker` holds no message any more (its chain ended: every message it took ran)."""
+    client.eval(_FORGET_HELD, 1, held_key(device_key), taker)
+
+
+def restore_held(client: Any, device_key: str, taker: str = "0") -> bool:
+    """Put `taker`'s held message back at the head of its list (a new process of that slot,
+    at start: the one before may have died between taking a message and claiming its job).
+    A message whose job was claimed meanwhile is harmless there: its claim finds it stale."""
+    return bool(client.eval(_RESTORE_HELD, 1, held_key(device_key), taker))

@@ -64,14 +64,7 @@ class WorkerOps(StoreBase):
         if not got:
             return None
         spec, created, estimate, cancelled, tiling = got
-        try:
-            created_t = float(decode(created)) if created else started
-        except ValueError:
-            created_t = started
-        est = decode(estimate)
-        plan = loads(tiling, None)
-        return Claim(decode(spec), created_t, started, int(est) if est.isdigit() else 0,
-                     bool(cancelled), plan if isinstance(plan, dict) else None)  # fmt: skip
+        return _claim(spec, created, started, estimate, bool(cancelled), tiling)
 
     def loaded(self, job_id: str, records: list[dict[str, Any]]) -> bool:
         """Keep a load's log records in the job record; True when a cancel came meanwhile."""
@@ -240,8 +233,48 @@ class WorkerOps(StoreBase):
             pipe.llen(name)
         return int(sum(pipe.execute()))
 
-    def next_message(self, device_key: str) -> tuple[str, str] | None:
-        """The device's next task message taken straight from its lists, as (job id,
-        dispatch), or None (sdfarm.worker.chain: a worker that just finished a job takes
-        the next one without Celery's ack and fetch in between)."""
-        return transport.pop_next(self.r, device_key)
+    def next_message(self, device_key: str, taker: str = "0") -> transport.Message | None:
+        """The device's next task message taken straight from its lists, or None
+        (sdfarm.worker.chain: a worker that just finished a job takes the next one without
+        Celery's ack and fetch in between). It is `taker`'s held message until its next
+        take (`restore_held`)."""
+        return transport.pop_next(self.r, device_key, taker)
+
+    def push_back(self, device_key: str, message: transport.Message, taker: str = "0") -> None:
+        """A message `taker` took back at the head of its list, for whoever takes the next."""
+        transport.push_back(self.r, device_key, message, taker)
+
+    def forget_held(self, device_key: str, taker: str = "0") -> None:
+        """`taker` holds no message any more (its chain ended)."""
+        transport.forget_held(self.r, device_key, taker)
+
+    def restore_held(self, device_key: str, taker: str = "0") -> bool:
+        """`taker`'s held message back at the head of its list (a new slot process, at
+        start); True when there was one."""
+        return transport.restore_held(self.r, device_key, taker)
+
+    def peek(self, job_id: str, dispatch: str) -> Claim | None:
+        """What a claim of the job under `dispatch` would return, read without claiming it
+        (nothing written; `started` is now, `cancelled` False): the worker's lookahead
+        prepares the next job with it while the current one runs, and claims it only when
+        it starts. None when the message is stale (the claim would refuse it)."""
+        state, current, spec, created, estimate, tiling = self.r.hmget(
+            keys.job_key(job_id), "state", "dispatch", "spec", "created", "estimate", "tiling"
+        )
+        if decode(state) != "placed" or decode(current) != dispatch:
+            return None
+        return _claim(spec, created, time.time(), estimate, False, tiling)
+
+
+def _claim(
+    spec: Any, created: Any, started: float, estimate: Any, cancelled: bool, tiling: Any
+) -> Claim:
+    """A Claim from the job record's raw fields."""
+    try:
+        created_t = float(decode(created)) if created else started
+    except ValueError:
+        created_t = started
+    est = decode(estimate)
+    plan = loads(tiling, None)
+    return Claim(decode(spec), created_t, started, int(est) if est.isdigit() else 0,
+                 cancelled, plan if isinstance(plan, dict) else None)  # fmt: skip

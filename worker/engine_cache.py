@@ -334,6 +334,31 @@ class EngineCache:
         if self.on_change is not None:
             self.on_change()
 
+    def get_loaded(self, name: str, need: int = 0) -> Any:
+        """The engine for `name` when it is loaded and usable and `need` (this use's working
+        memory) fits beside every held engine, held as `get` holds it (the caller releases
+        it); None otherwise. Never loads nor evicts, as `get` would: the worker's lookahead
+        (sdfarm.worker.chain) prepares the next job with it while the current one runs, and
+        must not start a load beside a running generation."""
+        with self._mu:
+            e = self._entries.get(name)
+            if e is None or _poisoned(e.engine):
+                return None
+            if self._held_locked() + max(0, need - e.estimate) > self.capacity_bytes:
+                return None
+            e.users += 1
+            e.last_used = self._clock()
+            engine = e.engine
+        self._notify()
+        return engine
+
+    def holds(self, name: str, engine: Any) -> bool:
+        """Whether `engine` is still the usable engine loaded under `name` (it was not dropped,
+        poisoned or replaced since it was taken)."""
+        with self._mu:
+            e = self._entries.get(name)
+            return e is not None and e.engine is engine and not _poisoned(engine)
+
     def release(self, name: str) -> None:
         """The caller is done with the engine: it becomes idle (and evictable) from now."""
         with self._mu:

@@ -146,11 +146,22 @@ class Context:
         # Its file first: no claim of this process may come before the heartbeat that the
         # scheduler checks claims against can list its incarnation.
         self.publish_slot()
+        self._restore_held()
         self.uploader.start()
         self.heartbeat.start()
         self._janitor.start()
         if self.config.pins:
             threading.Thread(target=self._preload, name="sdfarm-preload", daemon=True).start()
+
+    def _restore_held(self) -> None:
+        """The message this slot's last process held (taken from the queue, its job not yet
+        claimed: sdfarm.worker.chain) back at the head of the queue: that process may have
+        died holding it. A message whose job did run is dropped there as stale."""
+        try:
+            if self.store.restore_held(self.config.device_key, str(self.slot)):
+                log.info("slot %d: put back the message its last process held", self.slot)
+        except Exception as exc:  # noqa: BLE001 - the scheduler re-places a lost message
+            log.warning("slot %d: the held message not put back: %s", self.slot, exc)
 
     def stop(self) -> None:
         """Graceful end of this child: write every finished result, withdraw the heartbeat
@@ -308,7 +319,8 @@ def test_hooks_enabled(environ: dict[str, str] | None = None) -> bool:
 
 
 def test_hook(spec: dict[str, Any], environ: dict[str, str] | None = None) -> str | None:
-    """The job spec's `test_hook` ("abort", "sleep:N"), but only when SDFARM_TEST_HOOKS=1 in
+    """The job spec's `test_hook` ("abort" before its run, "abort-running" during it, after
+    the lookahead took the next message, "sleep:N"), but only when SDFARM_TEST_HOOKS=1 in
     the worker's environment; None otherwise, always."""
     if not test_hooks_enabled(environ):
         return None

@@ -17,7 +17,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, fields
+from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from sdfarm.native import enginekey, images, logs, upscale_params, video_params, videofile
@@ -47,21 +47,49 @@ CANCEL_EXIT_CODE = 0  # a cancel is not a crash; Celery replaces the process eit
 def run_job(job_id: str, dispatch: str) -> None:
     """The Celery task TASK_NAME (registered by sdfarm.worker.app.make_app): its job, then the
     device's next jobs taken straight from its queue while there are any (sdfarm.worker.chain:
-    no Celery round between two generations)."""
+    no Celery round between two generations), each taken and prepared during the native call
+    of the one before when the chain looks ahead."""
     ctx = hooks.context()
-    JobRun(ctx, str(job_id), str(dispatch)).run()
-    links = chain.for_context(ctx)
+    links = chain.for_context(ctx, lambda m: JobRun.ahead_of(ctx, m), JobRun.discard_ahead)
+    JobRun(ctx, str(job_id), str(dispatch), links=links).run()
     while links is not None and (found := links.next()) is not None:
-        JobRun(ctx, *found, chained=True).run()
+        message, ready = found
+        run = ready or JobRun(ctx, message.job_id, message.dispatch, chained=True)
+        run.links = links
+        run.run()
+
+
+class NotAhead(Exception):
+    """A job that cannot be prepared ahead (its engine is not the one loaded): it is prepared
+    when it starts."""
+
+
+@dataclass
+class Ahead:
+    """A job prepared during the native call before it: what its record said then (the
+    claim must say the same), its spec, its engine (held) and its call."""
+
+    peek: Claim
+    spec: JobSpec
+    engine: Any
+    call: Callable[[], Any]
 
 
 class JobRun:
     """One run of one job in this worker process."""
 
     def __init__(
-        self, ctx: hooks.Context, job_id: str, dispatch: str, chained: bool = False
+        self,
+        ctx: hooks.Context,
+        job_id: str,
+        dispatch: str,
+        chained: bool = False,
+        links: chain.Chain | None = None,
     ) -> None:
         self.ctx = ctx
+        self.links = links
+        self._ahead: Ahead | None = None
+        self._loaded_only = False
         self.job_id = job_id
         self.dispatch = dispatch
         self.store = ctx.store
@@ -89,20 +117,27 @@ class JobRun:
         self._t0 = time.monotonic()
         # Every write on the job's path rides out a Redis restart (retry_transient): a blip
         # must not fail the job, nor leave it claimed by nobody.
-        claimed = retry_transient(
-            lambda: self.store.claim(self.job_id, self.dispatch, ctx.incarnation, ctx.worker_name)
-        )
-        if claimed is None:
-            log.info("dropped a stale message for job %s (dispatch %s)", self.job_id, self.dispatch)
-            return
-        ctx.set_state("busy", self.job_id)
         try:
-            self._run(claimed)
-        except Exception as exc:  # noqa: BLE001 - a bug fails this job, not the worker
-            log.exception("job %s failed inside the worker", self.job_id)
-            self._fail(f"internal error in the worker: {type(exc).__name__}: {exc}")
+            claimed = retry_transient(
+                lambda: self.store.claim(
+                    self.job_id, self.dispatch, ctx.incarnation, ctx.worker_name
+                )
+            )
+            if claimed is None:
+                log.info(
+                    "dropped a stale message for job %s (dispatch %s)", self.job_id, self.dispatch
+                )
+                return
+            ctx.set_state("busy", self.job_id)
+            try:
+                self._run(claimed)
+            except Exception as exc:  # noqa: BLE001 - a bug fails this job, not the worker
+                log.exception("job %s failed inside the worker", self.job_id)
+                self._fail(f"internal error in the worker: {type(exc).__name__}: {exc}")
+            finally:
+                ctx.set_state("idle")
         finally:
-            ctx.set_state("idle")
+            self.discard_ahead()
 
     def _run(self, claimed: Claim) -> None:
         self.timings["queued_s"] = round(max(0.0, claimed.started - claimed.created), 4)
@@ -122,19 +157,17 @@ class JobRun:
             self._end("cancelled")
             return
         try:
-            spec = _job_spec(spec_doc)
-            self.meta["model"] = spec.model
-            self.level = spec.log_level
-            self.log_prompts = spec.log_prompts
-            prepare = {"upscale": self._prepare_upscale, "video": self._prepare_video}.get(
-                spec.kind, self._prepare_generate
-            )
-            engine, call = prepare(spec, claimed)
+            if (ahead := self._take_ahead(claimed)) is not None:
+                spec, engine, call = ahead.spec, ahead.engine, ahead.call
+                self.meta["ahead"] = True  # prepared during the native call before it
+            else:
+                spec = _job_spec(spec_doc)
+                engine, call = self._prepare(spec, claimed)
         except EngineError as exc:
             self._fail(str(exc), _error_records(exc), self._refusal_fields(exc))
             return
         try:
-            self._execute(spec.model, engine, call, hooks.hook_sleep_seconds(hook))
+            self._execute(spec.model, engine, call, hook)
         except EngineError as exc:
             if engine.poisoned:
                 self.ctx.cache.drop(spec.model)
@@ -145,6 +178,79 @@ class JobRun:
             )
         finally:
             self.ctx.cache.release(spec.model)
+
+    def _prepare(self, spec: JobSpec, claimed: Claim) -> tuple[Any, Callable[[], Any]]:
+        """The job's checked parameters, model and engine (held): (engine, the call)."""
+        self.meta["model"] = spec.model
+        self.level = spec.log_level
+        self.log_prompts = spec.log_prompts
+        prepare = {"upscale": self._prepare_upscale, "video": self._prepare_video}.get(
+            spec.kind, self._prepare_generate
+        )
+        return prepare(spec, claimed)
+
+    def _engine(self, name: str, model: Any, resident: int, need: int) -> Any:
+        """The engine `name` for this job, held until `cache.release(name)`: loaded when
+        absent, except ahead of the job's start, when only the loaded one will do."""
+        if not self._loaded_only:
+            return self.ctx.request_engine(name, model, resident, self.job_id, need)
+        engine = self.ctx.cache.get_loaded(name, max(resident, need))
+        if engine is None:
+            raise NotAhead(name)
+        return engine
+
+    # -- lookahead (sdfarm.worker.chain) ------------------------------------------------------
+
+    @classmethod
+    def ahead_of(cls, ctx: hooks.Context, message: Any) -> JobRun:
+        """The run of the job of `message`, taken during the native call before it, prepared
+        as far as it can be without a claim (on the lookahead thread)."""
+        run = cls(ctx, message.job_id, message.dispatch, chained=True)
+        run.prepare_ahead()
+        return run
+
+    def prepare_ahead(self) -> None:
+        """Read the job's record without claiming it and prepare it as its start would: its
+        spec, checked parameters, inputs and model, and its engine when that one is loaded.
+        Anything that stops this (a stale message, a test hook, bad input, an engine to
+        load) leaves the job to be prepared when it starts, where its errors are reported."""
+        try:
+            peek = self.store.peek(self.job_id, self.dispatch)
+            if peek is None:
+                return
+            doc = json.loads(peek.spec or "{}")
+            if not isinstance(doc, dict) or hooks.test_hook(doc):
+                return
+            spec = _job_spec(doc)
+            self._loaded_only = True
+            engine, call = self._prepare(spec, peek)
+            self._ahead = Ahead(peek, spec, engine, call)
+        except Exception as exc:  # noqa: BLE001 - prepared again, and reported, at its start
+            log.debug("job %s not prepared ahead: %s", self.job_id, exc)
+        finally:
+            self._loaded_only = False
+
+    def _take_ahead(self, claimed: Claim) -> Ahead | None:
+        """The job as prepared ahead, when its claim reads what the lookahead read and its
+        engine is still loaded and usable; otherwise None (and the engine released)."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is None:
+            return None
+        peek = ahead.peek
+        same = (claimed.spec, claimed.estimate, claimed.tiling) == (
+            peek.spec, peek.estimate, peek.tiling,
+        )  # fmt: skip
+        if same and self.ctx.cache.holds(ahead.spec.model, ahead.engine):
+            return ahead
+        self.ctx.cache.release(ahead.spec.model)
+        return None
+
+    def discard_ahead(self) -> None:
+        """Release the engine of a job prepared ahead that will not run here (its message was
+        stale or given back, its claim found it cancelled)."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            self.ctx.cache.release(ahead.spec.model)
 
     def _prepare_generate(self, spec: JobSpec, claimed: Claim) -> tuple[Any, Callable[[], Any]]:
         """A generation's checked parameters, model, LoRAs and engine: (engine, the call)."""
@@ -182,7 +288,7 @@ class JobRun:
         need = claimed.estimate or facts.estimate(
             *params.final_size, params.encodes, extra, tiled=bool(tiling and tiling.tiled)
         )
-        engine = self.ctx.request_engine(spec.model, model, facts.resident(), self.job_id, need)
+        engine = self._engine(spec.model, model, facts.resident(), need)
         log_config = LogConfig(level=self.level, log_prompts=self.log_prompts)
         return engine, lambda: engine.generate(
             params, progress=self._progress,
@@ -203,7 +309,7 @@ class JobRun:
         params = upscale_params.check_against(params, file.scale)
         facts = upscaler_facts(file.size, file.scale, self.ctx.config.device.name)
         need = claimed.estimate or facts.estimate(*images.size(params.image), params.tile_size)
-        engine = self.ctx.request_engine(spec.model, file, facts.resident(), self.job_id, need)
+        engine = self._engine(spec.model, file, facts.resident(), need)
         log_config = LogConfig(level=self.level)
         return engine, lambda: engine.upscale(params, log=log_config, estimate=need)
 
@@ -223,13 +329,13 @@ class JobRun:
         need = claimed.estimate or facts.video_estimate(
             params.width, params.height, params.frames, params.encodes
         )
-        engine = self.ctx.request_engine(spec.model, model, facts.resident(), self.job_id, need)
+        engine = self._engine(spec.model, model, facts.resident(), need)
         log_config = LogConfig(level=self.level, log_prompts=self.log_prompts)
         return engine, lambda: engine.video(
             params, progress=self._progress, log=log_config, estimate=need
         )
 
-    def _execute(self, name: str, engine: Any, call: Callable[[], Any], sleep_s: float) -> None:
+    def _execute(self, name: str, engine: Any, call: Callable[[], Any], hook: str | None) -> None:
         """Run the job's native call on its engine (after the load's records are stored and
         a cancel during the load is honoured) and hand its images to the uploader."""
         loaded = (
@@ -248,8 +354,14 @@ class JobRun:
                 self._end("cancelled")
                 return
         with cancel_watch().watching(self):
-            if sleep_s:
+            if self.links is not None:
+                self.links.ahead()  # the next job, taken and prepared while this one runs
+            if sleep_s := hooks.hook_sleep_seconds(hook):
                 time.sleep(sleep_s)
+            if hook == "abort-running":
+                time.sleep(0.5)  # the lookahead takes the next message meanwhile
+                log.warning("test hook: aborting the process while job %s runs", self.job_id)
+                os.abort()
             self.timings["worker_pre_s"] = round(time.monotonic() - self._t0, 4)
             result = call()
         meta = {**result.metadata, **self.meta}

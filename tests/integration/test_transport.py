@@ -19,6 +19,7 @@ from sdfarm.store.transport import (
     CeleryOutbox,
     TemplateError,
     check_template,
+    held_key,
     make_app,
     queue_name,
     render,
@@ -105,19 +106,61 @@ def test_pop_next_takes_celerys_order_and_leaves_what_it_cannot_read(
     for job, key in (("old", lists[0]), ("new", lists[0]), ("low", lists[2])):
         r.lpush(key, outbox.message(job, f"d-{job}", device)[1])
     # The first list first, and in it the oldest message (LPUSHed first), as BRPOP reads.
-    assert [pop_next(r, device) for _ in range(4)] == [
+    got = [pop_next(r, device) for _ in range(4)]
+    assert [m and (m.job_id, m.dispatch) for m in got] == [
         ("old", "d-old"),
         ("new", "d-new"),
         ("low", "d-low"),
         None,
     ]
+    assert [m.list_key for m in got[:3]] == [lists[0], lists[0], lists[2]]
     r.lpush(lists[1], "not a celery message")
     assert pop_next(r, device) is None
     assert r.lrange(lists[1], 0, -1) == [b"not a celery message"]  # put back for Celery
+    assert r.hgetall(held_key(device)) == {}  # and not held by the taker
+
+
+def test_a_taken_message_is_held_until_the_next_take_and_restored_to_the_head(
+    outbox: CeleryOutbox,
+) -> None:
+    """A slot's process that dies between taking a message and claiming its job: the next
+    process of that slot puts the message back at the head of its list."""
+    from sdfarm.store.transport import pop_next, queue_lists, restore_held
+
+    r, device = outbox.r, "hostH/CPU"
+    (first,) = queue_lists(device)[:1]
+    for job in ("a", "b", "c"):
+        r.lpush(first, outbox.message(job, f"d-{job}", device)[1])
+    a = pop_next(r, device, taker="0")
+    b = pop_next(r, device, taker="1")
+    assert (a.job_id, b.job_id) == ("a", "b")
+    assert restore_held(r, device, taker="1")  # slot 1 died holding b
+    assert not restore_held(r, device, taker="1")  # once
+    assert r.llen(first) == 2
+    assert pop_next(r, device, taker="1").job_id == "b"  # back at the head, before c
+    assert restore_held(r, device, taker="0")  # slot 0's message comes back too
+    assert pop_next(r, device).job_id == "a"
+
+
+def test_a_message_given_back_is_at_the_head_and_no_longer_held(outbox: CeleryOutbox) -> None:
+    from sdfarm.store.transport import forget_held, pop_next, push_back, queue_lists
+
+    r, device = outbox.r, "hostG/CPU"
+    first = queue_lists(device)[0]
+    for job in ("a", "b"):
+        r.lpush(first, outbox.message(job, f"d-{job}", device)[1])
+    a = pop_next(r, device)
+    push_back(r, device, a)
+    assert r.hgetall(held_key(device)) == {}
+    assert [pop_next(r, device).job_id for _ in range(2)] == ["a", "b"]
+    assert r.hgetall(held_key(device)) != {}
+    forget_held(r, device)  # the chain ended: the last message taken ran
+    assert r.hgetall(held_key(device)) == {}
 
 
 def test_celerys_own_send_task_message_parses(outbox: CeleryOutbox) -> None:
     from sdfarm.store.transport import pop_next, send
 
     send(outbox.app, "job9", "disp9", "hostB/CPU")
-    assert pop_next(outbox.r, "hostB/CPU") == ("job9", "disp9")
+    got = pop_next(outbox.r, "hostB/CPU")
+    assert (got.job_id, got.dispatch) == ("job9", "disp9")

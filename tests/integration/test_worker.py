@@ -351,8 +351,12 @@ def test_jobs_queued_together_run_back_to_back_without_celery(farm: Farm, plain:
     order, and the ones after the first say they were chained."""
     jobs = [farm.place(plain, {**SMALL, "seed": 20 + i}, log_level="none") for i in range(4)]
     assert [farm.wait(j) for j in jobs] == ["done"] * 4
-    chained = [bool(farm.result(j).meta.get("chained")) for j in jobs]
+    metas = [farm.result(j).meta for j in jobs]
+    chained = [bool(m.get("chained")) for m in metas]
     assert sum(chained) >= 2, chained
+    # taken and prepared during the native call before it (sdfarm.worker.chain's lookahead)
+    assert any(m.get("ahead") for m in metas), metas
+    assert not metas[0].get("ahead")
     started = [float(farm.job(j)["started"]) for j in jobs]
     assert started == sorted(started)
     assert farm.store.queue_length(plain.key) == 0
@@ -374,6 +378,27 @@ def test_a_stopping_worker_finishes_its_job_and_chains_no_other(
         assert farm.store.queue_length(worker.key) == 2  # their messages wait for a worker
     finally:
         worker.stop()
+
+
+def test_a_job_taken_ahead_by_a_process_that_dies_runs_on_its_successor(
+    farm: Farm, hooked: Worker
+) -> None:
+    """The lookahead took the next job's message from the queue while the current job ran,
+    and the process died: the next process of the slot puts that message back first, so the
+    job runs there (no scheduler here would re-place it)."""
+    before = hooked.heartbeat()["incarnation"]
+    warm = farm.place(hooked)  # the engine loaded: the next job is prepared ahead
+    assert farm.wait(warm) == "done"
+    dying = farm.place(hooked, test_hook="abort-running", send=False)
+    nxt = farm.place(hooked, {**SMALL, "seed": 41}, send=False)
+    # Both messages at once: Celery delivers the first and leaves the second in the queue
+    # (one slot, prefetch 1, acks late), where the dying job's lookahead takes it.
+    for job in (dying, nxt):
+        transport.send(farm.app, job, farm.job(job)["dispatch"], hooked.key)
+    hooked.heartbeat(until=lambda d: d["incarnation"] != before, timeout=60)
+    assert farm.wait(nxt, timeout=60) == "done"
+    assert farm.job(dying)["state"] == "running"  # left for the scheduler, as any abort
+    assert farm.store.queue_length(hooked.key) == 0
 
 
 # -- the uploader's cap, against the real Redis --------------------------------------------

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import base64
 import json
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import pytest
 
 from sdfarm.store.transport import DISPATCH_MARK, JOB_MARK, TASK_NAME, parse, render
-from sdfarm.worker.chain import Chain, chaining
+from sdfarm.worker.chain import Chain, chaining, looking_ahead
 
 
 class Clock:
@@ -25,19 +27,28 @@ def queue_of(*jobs: tuple[str, str]):
     return lambda: waiting.pop(0) if waiting else None
 
 
+def taken(link):
+    """The message of a link (what `Chain.next()` gives), or None."""
+    return None if link is None else link[0]
+
+
 def test_the_chain_takes_jobs_until_the_queue_is_empty() -> None:
     chain = Chain(queue_of(("a", "d1"), ("b", "d2")), stopping=lambda: False)
-    assert [chain.next(), chain.next(), chain.next()] == [("a", "d1"), ("b", "d2"), None]
+    assert [chain.next(), chain.next(), chain.next()] == [
+        (("a", "d1"), None),
+        (("b", "d2"), None),
+        None,
+    ]
     assert chain.taken == 2
 
 
 def test_the_chain_ends_at_its_job_count_and_its_time() -> None:
     jobs = [(f"j{i}", "d") for i in range(10)]
     by_count = Chain(queue_of(*jobs), stopping=lambda: False, max_jobs=3)
-    assert [by_count.next() for _ in range(4)] == [*jobs[:3], None]
+    assert [taken(by_count.next()) for _ in range(4)] == [*jobs[:3], None]
     clock = Clock()
     by_time = Chain(queue_of(*jobs), stopping=lambda: False, clock=clock, max_s=5.0)
-    assert by_time.next() == jobs[0]
+    assert taken(by_time.next()) == jobs[0]
     clock.t += 5.0
     assert by_time.next() is None
 
@@ -45,7 +56,7 @@ def test_the_chain_ends_at_its_job_count_and_its_time() -> None:
 def test_a_stopping_worker_takes_no_further_job() -> None:
     stop = {"now": False}
     chain = Chain(queue_of(("a", "d"), ("b", "d")), stopping=lambda: stop["now"])
-    assert chain.next() == ("a", "d")
+    assert taken(chain.next()) == ("a", "d")
     stop["now"] = True
     assert chain.next() is None
 
@@ -57,11 +68,126 @@ def test_a_redis_error_ends_the_chain_and_celery_takes_over() -> None:
     assert Chain(broken, stopping=lambda: False).next() is None
 
 
+# -- lookahead: the next job taken and prepared during the current one's native call ---------
+
+
+def now(fn):
+    """A run_ahead that runs at once (the lookahead thread, without the thread)."""
+    done: Future = Future()
+    done.set_result(fn())
+    return done
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.prepared: list = []
+        self.given_back: list = []
+        self.discarded: list = []
+        self.forgotten = 0
+
+    def prepare(self, message):
+        self.prepared.append(message)
+        return f"ready {message[0]}"
+
+    def chain(self, *jobs, stop=lambda: False, **kw) -> Chain:
+        return Chain(
+            queue_of(*jobs),
+            stopping=stop,
+            prepare=self.prepare,
+            push_back=self.given_back.append,
+            discard=self.discarded.append,
+            run_ahead=now,
+            forget=self.forget,
+            **kw,
+        )
+
+    def forget(self) -> None:
+        self.forgotten += 1
+
+
+def test_ahead_takes_and_prepares_the_next_job_which_next_then_gives() -> None:
+    rec = Recorder()
+    chain = rec.chain(("a", "d1"), ("b", "d2"))
+    chain.ahead()
+    assert rec.prepared == [("a", "d1")]
+    chain.ahead()  # one job ahead at most
+    assert rec.prepared == [("a", "d1")]
+    assert chain.next() == (("a", "d1"), "ready a")
+    assert chain.next() == (("b", "d2"), None)  # not looked ahead: taken when asked
+    assert chain.next() is None
+    assert rec.forgotten == 1 and chain.taken == 2
+
+
+def test_the_lookahead_keeps_looking_until_a_message_comes_or_the_job_ends() -> None:
+    """The scheduler sends the next job some time into the current one: the lookahead
+    thread looks again until then, and stops looking once the current job ends."""
+    waiting: list = []
+    rec = Recorder()
+    pool = ThreadPoolExecutor(1)
+    chain = Chain(
+        lambda: waiting.pop(0) if waiting else None,
+        stopping=lambda: False,
+        prepare=rec.prepare,
+        run_ahead=pool.submit,
+    )
+    chain.ahead()
+    time.sleep(0.02)
+    waiting.append(("late", "d"))  # sent during the native call, after the first look
+    deadline = time.monotonic() + 2.0
+    while not rec.prepared and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert rec.prepared == [("late", "d")]  # taken and prepared before the job ended
+    assert chain.next() == (("late", "d"), "ready late")
+    chain.ahead()  # nothing comes this time: next() ends the looking at once
+    t0 = time.monotonic()
+    assert chain.next() is None
+    assert time.monotonic() - t0 < 0.5
+    pool.shutdown()
+
+
+def test_a_worker_that_began_to_stop_gives_the_job_taken_ahead_back() -> None:
+    stop = {"now": False}
+    rec = Recorder()
+    chain = rec.chain(("a", "d1"), ("b", "d2"), stop=lambda: stop["now"])
+    chain.ahead()
+    stop["now"] = True  # SIGTERM during the native call
+    assert chain.next() is None
+    assert rec.given_back == [("a", "d1")] and rec.discarded == ["ready a"]
+    assert chain.taken == 0
+
+
+def test_no_lookahead_past_the_chains_end_nor_without_prepare() -> None:
+    rec = Recorder()
+    chain = rec.chain(("a", "d"), ("b", "d"), max_jobs=1)
+    assert taken(chain.next()) == ("a", "d")
+    chain.ahead()
+    assert rec.prepared == [] and chain.next() is None
+    plain = Chain(queue_of(("a", "d")), stopping=lambda: False, run_ahead=now)
+    plain.ahead()
+    assert plain.taken == 0  # nothing was taken ahead
+
+
+def test_a_failed_preparation_still_gives_the_job_to_run_unprepared() -> None:
+    def broken(message):
+        raise RuntimeError("bug")
+
+    chain = Chain(queue_of(("a", "d")), stopping=lambda: False, prepare=broken, run_ahead=now)
+    chain.ahead()
+    assert chain.next() == (("a", "d"), None)
+
+
+def test_a_chain_that_took_nothing_forgets_nothing() -> None:
+    rec = Recorder()
+    chain = rec.chain()
+    assert chain.next() is None and rec.forgotten == 0
+
+
 @pytest.mark.parametrize(
     ("value", "on"), [(None, True), ("1", True), ("0", False), ("off", False), ("no", False)]
 )
-def test_sdfarm_chain_turns_it_off(value: str | None, on: bool) -> None:
+def test_sdfarm_chain_and_lookahead_turn_them_off(value: str | None, on: bool) -> None:
     assert chaining({} if value is None else {"SDFARM_CHAIN": value}) is on
+    assert looking_ahead({} if value is None else {"SDFARM_LOOKAHEAD": value}) is on
 
 
 def template() -> dict:

@@ -220,3 +220,30 @@ def test_one_load_at_a_time_and_snapshot_does_not_wait_for_it() -> None:
         t.join(5)
     assert peak[0] == 1
     assert sorted(e["name"] for e in cache.snapshot()) == ["a", "b"]
+
+
+# -- get_loaded: the worker's lookahead takes only an engine already loaded -----------------
+
+
+def test_get_loaded_holds_a_loaded_engine_and_never_loads_nor_evicts() -> None:
+    h = Harness(capacity=10 * GB)
+    a = h.cache.get("a", 4 * GB)  # the running job's engine (busy)
+    h.use("b", 4 * GB)  # idle beside it
+    assert h.cache.get_loaded("c") is None and h.loads == ["a", "b"]  # not loaded: no load
+    ahead = h.cache.get_loaded("a", 5 * GB)  # a larger image: 4 + 4 + 1 <= 10 fits as it is
+    assert ahead is a and h.cache.holds("a", a)
+    h.cache.release("a")
+    assert h.cache.snapshot()[0]["busy"]  # still held by the running job
+    assert h.cache.get_loaded("a", 7 * GB) is None  # 4 + 4 + 3 > 10: get would evict b
+    assert h.disposed == []
+
+
+def test_holds_is_false_once_the_engine_was_dropped_poisoned_or_replaced() -> None:
+    h = Harness()
+    a = h.use("a", 2 * GB)
+    assert h.cache.holds("a", a) and not h.cache.holds("b", a)
+    a.poisoned = "a CUDA error"
+    assert not h.cache.holds("a", a) and h.cache.get_loaded("a") is None
+    h.cache.drop("a")
+    again = h.use("a", 2 * GB)
+    assert again is not a and not h.cache.holds("a", a) and h.cache.holds("a", again)
