@@ -320,7 +320,8 @@ def test_hooks_enabled(environ: dict[str, str] | None = None) -> bool:
 
 def test_hook(spec: dict[str, Any], environ: dict[str, str] | None = None) -> str | None:
     """The job spec's `test_hook` ("abort" before its run, "abort-running" during it, after
-    the lookahead took the next message, "sleep:N"), but only when SDFARM_TEST_HOOKS=1 in
+    the lookahead took the next message; "sleep:N" before the lookahead, "ahead-sleep:N"
+    after it), but only when SDFARM_TEST_HOOKS=1 in
     the worker's environment; None otherwise, always."""
     if not test_hooks_enabled(environ):
         return None
@@ -329,8 +330,8 @@ def test_hook(spec: dict[str, Any], environ: dict[str, str] | None = None) -> st
 
 
 def hook_sleep_seconds(hook: str | None) -> float:
-    """N for "sleep:N", else 0."""
-    if hook and hook.startswith("sleep:"):
+    """N for "sleep:N" and "ahead-sleep:N", else 0."""
+    if hook and hook.startswith(("sleep:", "ahead-sleep:")):
         try:
             return max(0.0, float(hook.split(":", 1)[1]))
         except ValueError:

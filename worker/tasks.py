@@ -354,10 +354,12 @@ class JobRun:
                 self._end("cancelled")
                 return
         with cancel_watch().watching(self):
+            if hook and hook.startswith("sleep:"):  # the queue untouched meanwhile
+                time.sleep(hooks.hook_sleep_seconds(hook))
             if self.links is not None:
                 self.links.ahead()  # the next job, taken and prepared while this one runs
-            if sleep_s := hooks.hook_sleep_seconds(hook):
-                time.sleep(sleep_s)
+            if hook and hook.startswith("ahead-sleep:"):
+                time.sleep(hooks.hook_sleep_seconds(hook))
             if hook == "abort-running":
                 time.sleep(0.5)  # the lookahead takes the next message meanwhile
                 log.warning("test hook: aborting the process while job %s runs", self.job_id)

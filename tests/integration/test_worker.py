@@ -368,9 +368,14 @@ def test_a_stopping_worker_finishes_its_job_and_chains_no_other(
     env = {hooks.TEST_HOOKS_ENV: "1"}
     worker = Worker(redis_server.url, models_dir, tmp_path / "worker.log", env)
     try:
-        first = farm.place(worker, test_hook="sleep:2")
+        # the lookahead takes the next message, then SIGTERM: the worker gives it back
+        first = farm.place(worker, test_hook="ahead-sleep:2")
         rest = [farm.place(worker, {**SMALL, "seed": 30 + i}) for i in range(2)]
         farm.wait_state(first, "running")
+        deadline = time.monotonic() + 20
+        while farm.store.queue_length(worker.key) != 1:  # the lookahead took the next one
+            assert time.monotonic() < deadline, "the next message was not taken ahead"
+            time.sleep(0.02)
         worker.proc.send_signal(signal.SIGTERM)
         assert farm.wait(first, timeout=30) == "done"
         assert worker.proc.wait(30) == 0
