@@ -222,10 +222,18 @@ def test_the_cli_makes_a_video_on_the_farm(farm: Any, tmp_path: Path) -> None:
 def test_a_moe_pair_s_switch_reaches_its_engine_through_every_door(
     client: Farm, farm: Any, tmp_path: Path
 ) -> None:
+    """One MoE video of 5 frames through the Python client; the gateway and the CLI each submit
+    the same switch at 1 frame (the least the runtime makes: a MoE video costs both experts'
+    passes whatever its frames) and are held to what they stored and what the worker ran: the
+    spec each stores is the client's, frames apart, and the worker's frames say both experts ran
+    with the switch asked. That the switch changes the frames, and that the same job gives the
+    same frames in another process: tests/e2e/test_video_moe.py; that the gateway's frames are
+    the client's for the same job: test_a_video_job_returns_its_frames_and_webp."""
     switch = {"prompt": "a cat", "seed": 4, **SMALL, "high_noise_steps": 1}
     job = client.video(MOE, **switch)
     result = job.result(300)
     assert result.metadata["experts"] == 2 and result.metadata["high_noise_steps"] == 1
+    assert len(result.frames) == 5
     record = client.store.record(job.id)
     hb = next(iter(client._heartbeats(fresh=True).values()))
     facts = ModelFacts.from_json(hb["models"][MOE])
@@ -233,13 +241,25 @@ def test_a_moe_pair_s_switch_reaches_its_engine_through_every_door(
     assert int(record["estimate"]) == facts.video_estimate(32, 32, 5)  # both experts counted
     if single is not None:
         assert facts.bytes > single.bytes + 700 * 2**20  # the high-noise DiT's 0.8 GB
-    # the low-noise expert alone: other frames from the same seed and step count
-    low = client.video(MOE, **{**switch, "high_noise_steps": 0, "steps": 2}).result(300)
-    assert low.frames != result.frames
+    sent = json.loads(record["spec"])
+    assert sent["params"]["high_noise_steps"] == 1
+    one_frame = {**sent["params"], "frames": 1}
+
+    def ran_the_switch(job_id: str, frame: bytes) -> None:
+        """The door stored the client's switch (at 1 frame), and the worker ran it with both
+        experts: its result's metadata and the frame's stored parameters are the engine's."""
+        spec = json.loads(client.store.record(job_id)["spec"])
+        assert (spec["model"], spec["kind"], spec["params"]) == (MOE, "video", one_frame)
+        meta = client.job(job_id).result(30).metadata
+        assert (meta["experts"], meta["high_noise_steps"], meta["frames"]) == (2, 1, 1), meta
+        ran = read_params(frame)
+        assert (ran["model"], ran["high_noise_steps"], ran["frames"]) == (MOE, 1, 1), ran
+        assert Image.open(io.BytesIO(frame)).size == (32, 32)
+
     with served_gateway(farm.url, ["tok"], 60) as base:
         auth = {"Authorization": "Bearer tok"}
-        r = httpx.post(f"{base}/v1/videos", json={"model": MOE, **switch}, headers=auth,
-                       timeout=30)  # fmt: skip
+        body = {"model": MOE, **switch, "frames": 1}
+        r = httpx.post(f"{base}/v1/videos", json=body, headers=auth, timeout=30)
         assert r.status_code == 202, r.text
         job_id = r.json()["id"]
         doc: dict[str, Any] = {}
@@ -247,19 +267,23 @@ def test_a_moe_pair_s_switch_reaches_its_engine_through_every_door(
         while doc.get("state") not in ("done", "failed") and time.monotonic() < deadline:
             time.sleep(0.5)
             doc = httpx.get(f"{base}/v1/jobs/{job_id}", headers=auth, timeout=30).json()
-        assert doc["state"] == "done", doc
-        frames = [httpx.get(base + u, headers=auth, timeout=30).content for u in doc["image_urls"]]
-        assert frames == result.frames
-        r = httpx.post(f"{base}/v1/videos", json={"model": MOE, **switch, "moe_boundary": 3},
-                       headers=auth, timeout=30)  # fmt: skip
+        assert doc["state"] == "done" and doc["params"] == one_frame, doc
+        assert len(doc["image_urls"]) == 1
+        ran_the_switch(
+            job_id, httpx.get(base + doc["image_urls"][0], headers=auth, timeout=30).content
+        )
+        r = httpx.post(f"{base}/v1/videos", json={**body, "moe_boundary": 3}, headers=auth,
+                       timeout=30)  # fmt: skip
         assert r.status_code == 400 and r.json()["error"]["param"] == "moe_boundary", r.text
     out = tmp_path / "moe"
     done = subprocess.run(
-        [sys.executable, "-m", "sdfarm.cli.main", "video", MOE, "a cat", "--frames", "5",
+        [sys.executable, "-m", "sdfarm.cli.main", "video", MOE, "a cat", "--frames", "1",
          "--width", "32", "--height", "32", "--steps", "1", "--seed", "4", "--cfg-scale", "1",
          "--high-noise-steps", "1", "--redis", farm.url, "--out", str(out), "--json"],
         capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
-    pixels = [Image.open(p).tobytes() for p in sorted(out.glob("frame-*.png"))]
-    assert pixels == [Image.open(io.BytesIO(f)).tobytes() for f in result.frames]
+    cli = json.loads(done.stdout)
+    assert (cli["experts"], cli["high_noise_steps"], cli["frames"]) == (2, 1, 1), cli
+    assert sorted(p.name for p in out.iterdir()) == ["frame-0000.png", "video.webp"]
+    ran_the_switch(cli["job"], (out / "frame-0000.png").read_bytes())
