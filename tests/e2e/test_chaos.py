@@ -1,4 +1,4 @@
-"""Chaos: a 200-job batch on `sdfarm up` while the test kill -9s the worker's pool process,
+"""Chaos: a 140-job batch on `sdfarm up` while the test kill -9s the worker's pool process,
 its Celery main process, the leading scheduler and the redis-server, 12 times in all. Every
 image arrives, each job ran to completion once, nothing failed; the time each part took to
 come back is printed.
@@ -28,7 +28,10 @@ from sdfarm.store import Store
 
 pytestmark = pytest.mark.e2e
 
-JOBS = 200
+JOBS = 140
+"""Enough to outlast the kills with room (the test fails if the batch ends first): on the 2-core
+VM the twelfth kill came 44-47 s in, with 60-81 images written in six runs; the jobs after it
+(4-5 a second there) only lengthened the test. It prints how many there were."""
 KILLS = ("pool", "main", "scheduler", "redis") * 3
 EVERY_S = 2.0
 DEVICE = "chaoshost/CPU"
@@ -188,10 +191,13 @@ def test_a_batch_survives_twelve_kills(models_dir: Path, tmp_path: Path) -> None
         batch = sdfarm("batch", str(prompts), "--out", str(out), "--model", "tiny-q8_0",
                        "--width", "64", "--height", "64", "--steps", "2", "--quiet", "--json",
                        env=env)  # fmt: skip
+        started = time.monotonic()
         for target in KILLS:
             time.sleep(EVERY_S)
             assert batch.poll() is None, "the batch ended before the kills did"
             chaos.kill(target)
+        kills_s = time.monotonic() - started
+        at_last_kill = len(list(out.glob("*.png")))  # the room JOBS leaves, printed below
         stdout, stderr = batch.communicate(timeout=600)
         summary = json.loads(stdout)
         pngs = sorted(out.glob("*.png"))
@@ -215,7 +221,8 @@ def test_a_batch_survives_twelve_kills(models_dir: Path, tmp_path: Path) -> None
     print(f"\n{'kill':>4} {'target':<10} {'pid':>8} {'recovery s':>11}")
     for i, row in enumerate(chaos.rows, 1):
         print(f"{i:>4} {row['target']:<10} {row['pid']:>8} {row['recovery_s']:>11.2f}")
-    print(f"{JOBS} images, {len(set(jobs))} jobs, {retried} re-placed after a kill")
+    print(f"{JOBS} images ({at_last_kill} when the kills ended, {kills_s:.0f} s in), "
+          f"{len(set(jobs))} jobs, {retried} re-placed after a kill")  # fmt: skip
     assert len(chaos.rows) == len(KILLS) >= 10
     assert batch.returncode == 0, (summary.get("failures"), summary.get("error"), stderr[-3000:])
     assert (summary["done"], summary["failed"], summary["submitted"]) == (JOBS, 0, JOBS)
