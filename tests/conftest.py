@@ -6,10 +6,20 @@ unit tests run while those are being written and a broken farm module fails only
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+# The runtime's threads (OpenMP: libgomp) wait at each of a graph's barriers by spinning
+# before they sleep. The tests run in two processes on CI's 2 cores, where a 2-thread engine
+# beside another spins on the core the other one needs: two processes making the MoE test
+# video side by side took 7.5-20 s each with the default wait, 5.2-6.5 s with passive waiting,
+# one alone about 3 s either way (2-core VM). Set before any engine loads (libgomp reads it
+# once, when it loads), so the in-process engines and the workers, CLIs and children the tests
+# start all have it; a value already in the environment wins.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 HEAVY_FIRST = (
     "tests/e2e/test_chaos.py",
