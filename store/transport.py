@@ -220,16 +220,12 @@ return false
 """
 """RPOP from the first non-empty list, in the order given: what kombu's BRPOP over the same
 lists does, without blocking (Redis 6.2 has no LMPOP). The message is kept, in the same step,
-as the taker's held message (`held:{device}`), until it takes another."""
+as the taker's held message (`held_key`), until it takes another."""
 
 _GIVE_BACK = """
 redis.call('RPUSH', KEYS[1], ARGV[1])
 redis.call('HDEL', KEYS[2], ARGV[2], ARGV[2] .. ':list')
 return 1
-"""
-
-_FORGET_HELD = """
-return redis.call('HDEL', KEYS[1], ARGV[1], ARGV[1] .. ':list')
 """
 
 _RESTORE_HELD = """
@@ -305,7 +301,7 @@ def push_back(client: Any, device_key: str, message: Message, taker: str = "0") 
 
 def forget_held(client: Any, device_key: str, taker: str = "0") -> None:
     """`taker` holds no message any more (its chain ended: every message it took ran)."""
-    client.eval(_FORGET_HELD, 1, held_key(device_key), taker)
+    client.hdel(held_key(device_key), taker, f"{taker}:list")
 
 
 def restore_held(client: Any, device_key: str, taker: str = "0") -> bool:

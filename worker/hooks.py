@@ -321,8 +321,8 @@ def test_hooks_enabled(environ: dict[str, str] | None = None) -> bool:
 def test_hook(spec: dict[str, Any], environ: dict[str, str] | None = None) -> str | None:
     """The job spec's `test_hook` ("abort" before its run, "abort-running" during it, after
     the lookahead took the next message; "sleep:N" before the lookahead, "ahead-sleep:N"
-    after it), but only when SDFARM_TEST_HOOKS=1 in
-    the worker's environment; None otherwise, always."""
+    after it), but only when SDFARM_TEST_HOOKS=1 in the worker's environment; None
+    otherwise, always."""
     if not test_hooks_enabled(environ):
         return None
     hook = spec.get("test_hook")
