@@ -33,6 +33,12 @@
 #   bash bench/gpu_run.sh chainlease # nextlease's first half: chained jobs off/on over 500 jobs
 #   bash bench/gpu_run.sh i2vmps    # its second half: the I2V video peak; TAESD under MPS
 #   bash bench/gpu_run.sh lookahead # 500 jobs with the chain's lookahead off, on, on again
+#   bash bench/gpu_run.sh profile   # kernel-by-kernel profile of an image at 512 and 1024
+#   bash bench/gpu_run.sh lookprofile # lookahead, then profile
+#   bash bench/gpu_run.sh im2col2   # the same for the second kernel; the farm under MPS at N=4
+#   bash bench/gpu_run.sh im2col    # build with the tiled im2col patch; ggml's kernel against it
+#                                   # (SDFARM_IM2COL_TILED=0): ms/image, same pixels; the peer
+#                                   # eager b1; the farm under MPS (N=4); the 1024 profile again
 #
 # Carried: .whl/*.whl (our dependencies and pytest for python3.12), .carry/{redis-server,
 # stable_diffusion_cpp_python-0.4.7.tar.gz}; for the Vulkan stages also .gl/*.deb (Vulkan
@@ -715,6 +721,63 @@ lookahead() {
     efficiency_by SDFARM_LOOKAHEAD lookahead-again 1
 }
 
+# Where an image's GPU time goes, kernel by kernel (bench/ncu_profile.py: sd-cli under Nsight
+# Compute), at 512 and 1024, 1 step. (PyTorch's profiler in our engine's process was tried
+# first: torch imported after the runtime's load segfaulted in torch's import, and imported
+# before it, with numpy blocked, the load segfaulted: log-lookprofile.txt.)
+profile() {
+    PACK_LATER=1 ensure
+    mkdir -p "$OUT/cuda"
+    stage 200 ncu bench/ncu_profile.py --cli "$CLI" --model "$MODEL" --sizes 512,1024 --steps 1 \
+        --ncu "$(command -v ncu || echo /usr/local/cuda/bin/ncu)" --out "$OUT/cuda/cuda-ncu-profile.json"
+    pack_wait
+}
+
+# The lookahead's 500-job runs, then the kernel profiles.
+lookprofile() {
+    lookahead
+    profile
+}
+
+# The tiled im2col (sdfarm.native.sourcepatch) against ggml's kernel in the same build, then
+# the peer's eager batch 1 and the farm under MPS with it, then where 1024's time goes now.
+im2col() {
+    NOPACK=1 ensure
+    mkdir -p "$OUT/cuda"
+    say "build: $(cat "$CUDA_JSON")"
+    stage 90 im2col-options bench/build_options.py --model "$MODEL" --device CUDA0 \
+        --sizes 512,1024 --images 4 --variant "ggml=$CUDA_DIR:SDFARM_IM2COL_TILED=0" \
+        --variant "tiled=$CUDA_DIR" --variant "ggml-again=$CUDA_DIR:SDFARM_IM2COL_TILED=0" \
+        --variant "tiled-again=$CUDA_DIR" --out "$OUT/cuda/cuda-im2col-options.json"
+    local left=$(( PHASE_BUDGET - $(now) - 200 ))
+    if [ "$left" -ge 45 ]; then
+        say "peer_diffusers.py eager batch 1 with ${left}s"
+        timeout "$left" $PY bench/peer_diffusers.py --sizes 512,1024 --steps 1,4 --batches 1 \
+            --runs 5 --deadline $(( left - 10 )) --out "$OUT/cuda/cuda-peer-diffusers-im2col-lease.json"
+    fi
+    if mps_start; then
+        farm_cases tiled-mps 4 2 40
+        mps_stop
+    fi
+    stage 60 ncu-tiled bench/ncu_profile.py --cli "$CLI" --model "$MODEL" --sizes 1024 --steps 1 \
+        --ncu "$(command -v ncu || echo /usr/local/cuda/bin/ncu)" --out "$OUT/cuda/cuda-ncu-profile-tiled.json"
+}
+
+# The second tiled im2col (one thread per value of a pixel's segment) against ggml's kernel in
+# the same build, then the farm under MPS (N=4) at 1024 and 512, 1 step.
+im2col2() {
+    NOPACK=1 ensure
+    mkdir -p "$OUT/cuda"
+    stage 60 im2col-options bench/build_options.py --model "$MODEL" --device CUDA0 \
+        --sizes 512,1024 --images 4 --variant "ggml=$CUDA_DIR:SDFARM_IM2COL_TILED=0" \
+        --variant "tiled=$CUDA_DIR" --variant "ggml-again=$CUDA_DIR:SDFARM_IM2COL_TILED=0" \
+        --variant "tiled-again=$CUDA_DIR" --out "$OUT/cuda/cuda-im2col2-options.json"
+    if mps_start; then
+        farm_cases tiled2-mps 4 2 75 "1024:1:16 512:1:40"
+        mps_stop
+    fi
+}
+
 # The image-to-video test model's GPU peak against its estimate; TAESD under MPS at N = 2, 4.
 i2vmps() {
     PACK_LATER=1 ensure
@@ -762,8 +825,8 @@ peertwo() {
 case "$PHASE" in
     setup | bench1 | bench2) ;;
     cuda_recheck | cudafarm | overhead | speedbatch | gputests | cpu1024 | twogpu) ;;
-    features | tiling | peer | tilingpeer | decodefarm | lanes | extras | cudaopts | cudamore | vulkan | vkcheck | peerone | peertwo | peerthree | effprefetch | nextlease | chainlease | i2vmps | lookahead) ;;
-    *) echo "usage: bash bench/gpu_run.sh setup|bench1|bench2|cuda_recheck|cudafarm|overhead|speedbatch|gputests|cpu1024|twogpu|features|tiling|peer|tilingpeer|decodefarm|lanes|extras|cudaopts|cudamore|vulkan|vkcheck|peerone|peertwo|peerthree|effprefetch|nextlease|chainlease|i2vmps|lookahead" >&2; exit 2 ;;
+    features | tiling | peer | tilingpeer | decodefarm | lanes | extras | cudaopts | cudamore | vulkan | vkcheck | peerone | peertwo | peerthree | effprefetch | nextlease | chainlease | i2vmps | lookahead | profile | lookprofile | im2col | im2col2) ;;
+    *) echo "usage: bash bench/gpu_run.sh setup|bench1|bench2|cuda_recheck|cudafarm|overhead|speedbatch|gputests|cpu1024|twogpu|features|tiling|peer|tilingpeer|decodefarm|lanes|extras|cudaopts|cudamore|vulkan|vkcheck|peerone|peertwo|peerthree|effprefetch|nextlease|chainlease|i2vmps|lookahead|profile" >&2; exit 2 ;;
 esac
 set -o pipefail
 mkdir -p "$OUT"
