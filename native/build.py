@@ -5,9 +5,11 @@ sha256-checked `stable-diffusion-cpp-python==0.4.7` sdist (which vendors stable-
 master-596-90e87bc), or from a user's checkout of that exact commit. The build lands in
 `<cache>/runtime/<key>/`, where the key hashes (source, backend, compiler, cmake flags), so a
 second build is instant; the shim, which is bound to the Python version, gets its own key on
-top of that.
+top of that. Our source patches (`sdfarm.native.sourcepatch`: today a faster CUDA im2col) are
+applied to a copy of the source for the backends they touch and join the key; `--no-patches`
+builds the source as it is.
 
-    python -m sdfarm.native.build [--backend cpu|vulkan|cuda|metal] [--source DIR]
+    python -m sdfarm.native.build [--backend cpu|vulkan|cuda|metal] [--source DIR] [--no-patches]
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+from sdfarm.native import sourcepatch
 
 HERE = Path(__file__).resolve().parent
 SOURCES = json.loads((HERE / "SOURCES.json").read_text())
@@ -253,6 +257,7 @@ def ensure_runtime(
     cli: bool = False,
     cmake_args: list[str] | None = None,
     jobs: int | None = None,
+    patches: bool = True,
 ) -> RuntimeBuild:
     """Return the cached build for these inputs, building what is missing. Safe to call from
     several processes at once (a file lock serialises builders)."""
@@ -268,13 +273,22 @@ def ensure_runtime(
             src, source_id = None, SOURCES["sha256"]
         flags = _cmake_flags(backend, native, cli, list(cmake_args or []))
         compiler = compiler_id()
-        key = _key(source_id, backend, compiler, *flags)
+        applied = sourcepatch.for_backend(backend) if patches else []
+        pid = sourcepatch.patch_id(applied)
+        # A backend no patch touches keeps the key it had before patches existed.
+        key = _key(source_id, backend, compiler, *flags, *(["patches=" + pid] if pid else []))
         out = root / "runtime" / key
         manifest = out / "build.json"
         if not manifest.exists():
             started = time.monotonic()
             if src is None:
                 src = unpack_sdist(fetch_sdist(root), root)
+            if applied:
+                _log(f"applying {', '.join(p.name for p in applied)}")
+                try:
+                    src = sourcepatch.apply(src, root / "src" / f"{key}-patched", applied)
+                except sourcepatch.PatchError as e:
+                    raise BuildError(str(e)) from e
             if out.exists():
                 shutil.rmtree(out)
             out.mkdir(parents=True)
@@ -286,6 +300,7 @@ def ensure_runtime(
                         "source": source_id,
                         "compiler": compiler,
                         "flags": flags,
+                        "patches": [p.name for p in applied],
                         "sd_version": SOURCES["sd_version"],
                         "seconds": round(time.monotonic() - started, 1),
                     },
@@ -354,11 +369,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--with-cli", action="store_true", help="also build the runtime's own sd-cli")
     p.add_argument("--cmake-arg", action="append", default=[], help="extra -D flag for cmake")
     p.add_argument("--json", action="store_true", help="print the build's facts as JSON")
+    p.add_argument(
+        "--no-patches",
+        action="store_true",
+        help="build the pinned source without sdfarm's patches (sdfarm.native.sourcepatch)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     try:
-        b = ensure_runtime(args.backend, args.source, args.native, args.with_cli, args.cmake_arg)
+        b = ensure_runtime(
+            args.backend,
+            args.source,
+            args.native,
+            args.with_cli,
+            args.cmake_arg,
+            patches=not args.no_patches,
+        )
     except BuildError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

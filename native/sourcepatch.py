@@ -1,0 +1,135 @@
+"""Our changes to the pinned runtime's source, applied by `sdfarm build` to a copy of it.
+
+Each patch names the backends whose build it changes, the files it adds (from
+`native/patches/`) and the exact text it replaces; a replacement whose text is not found
+exactly once fails the build by name, so a different source can never be half-patched. The
+build's cache key includes the patches that apply, so a changed patch is a new build, and a
+backend no patch touches keeps its key.
+
+The one patch today replaces ggml's CUDA im2col launch with a tiled kernel
+(`patches/im2col_tiled.cuh`): the same values at the same places, read along the input rows.
+On an H200 ggml's kernel was 186 of the 274 ms of a 1024x1024 VAE decode (docs/gpu.md,
+"Where an image's GPU time goes"). `SDFARM_IM2COL_TILED=0` in a process's environment
+switches it back to ggml's kernel at run time.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent / "patches"
+
+
+class PatchError(RuntimeError):
+    """A patch does not fit the source; the message names the patch, the file and the text."""
+
+
+@dataclass(frozen=True)
+class Edit:
+    """Replace `old`, which must occur exactly once in `path`, with `new`."""
+
+    path: str
+    old: str
+    new: str
+
+
+@dataclass(frozen=True)
+class Patch:
+    name: str
+    backends: frozenset[str]
+    adds: dict[str, str] = field(default_factory=dict)  # source path -> file in patches/
+    edits: tuple[Edit, ...] = ()
+
+
+IM2COL = "ggml/src/ggml-cuda/im2col.cu"
+
+PATCHES: tuple[Patch, ...] = (
+    Patch(
+        name="ggml-cuda-im2col-tiled",
+        backends=frozenset({"cuda"}),
+        adds={"ggml/src/ggml-cuda/im2col_tiled.cuh": "im2col_tiled.cuh"},
+        edits=(
+            Edit(
+                IM2COL,
+                '#include "im2col.cuh"\n',
+                '#include "im2col.cuh"\n#include "im2col_tiled.cuh"\n',
+            ),
+            Edit(
+                IM2COL,
+                "    const int64_t IC_KH_KW = IC * KH * KW;\n"
+                "    const int64_t num_blocks = (IC_KH_KW + CUDA_IM2COL_BLOCK_SIZE - 1)"
+                " / CUDA_IM2COL_BLOCK_SIZE;\n",
+                "    if (sdfarm_im2col_tiled<T>(x, dst, IW, IH, OW, OH, KW, KH, IC, N, IC_IH_IW,"
+                " IH_IW, s0, s1, p0, p1, d0, d1, stream)) {\n"
+                "        return;\n"
+                "    }\n"
+                "    const int64_t IC_KH_KW = IC * KH * KW;\n"
+                "    const int64_t num_blocks = (IC_KH_KW + CUDA_IM2COL_BLOCK_SIZE - 1)"
+                " / CUDA_IM2COL_BLOCK_SIZE;\n",
+            ),
+        ),
+    ),
+)
+
+
+def for_backend(backend: str) -> list[Patch]:
+    return [p for p in PATCHES if backend in p.backends]
+
+
+def patch_id(patches: list[Patch]) -> str:
+    """A digest of what the patches change ('' for none), for the build's cache key."""
+    if not patches:
+        return ""
+    h = hashlib.sha256()
+    for p in patches:
+        h.update(p.name.encode() + b"\0")
+        for dest, name in sorted(p.adds.items()):
+            h.update(dest.encode() + b"\0" + (HERE / name).read_bytes())
+        for e in p.edits:
+            h.update(f"{e.path}\0{e.old}\0{e.new}\0".encode())
+    return h.hexdigest()[:16]
+
+
+def patched_text(text: str, edit: Edit, patch: str) -> str:
+    count = text.count(edit.old)
+    if count != 1:
+        raise PatchError(
+            f"patch {patch}: {edit.path} holds the text to replace {count} times, not once "
+            f"(first line: {edit.old.splitlines()[0].strip()!r}); the source is not the pinned one"
+        )
+    return text.replace(edit.old, edit.new)
+
+
+def apply(src: Path, out: Path, patches: list[Patch]) -> Path:
+    """A copy of `src` at `out` with `patches` applied: files hard-linked where possible (the
+    tree is 167 MB), every file a patch writes a new file, so `src` never changes."""
+    if (out / ".sdfarm-patched").exists():
+        return out
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+
+    def link(a: str, b: str) -> None:
+        try:
+            os.link(a, b)
+        except OSError:
+            shutil.copy2(a, b)
+
+    shutil.copytree(src, tmp, copy_function=link, ignore=shutil.ignore_patterns(".git"))
+    for p in patches:
+        for dest, name in p.adds.items():
+            target = tmp / dest
+            target.unlink(missing_ok=True)
+            shutil.copyfile(HERE / name, target)
+        for e in p.edits:
+            target = tmp / e.path
+            text = patched_text(target.read_text(), e, p.name)
+            target.unlink()
+            target.write_text(text)
+    (tmp / ".sdfarm-patched").write_text("\n".join(p.name for p in patches) + "\n")
+    shutil.rmtree(out, ignore_errors=True)
+    os.replace(tmp, out)
+    return out
