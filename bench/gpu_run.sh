@@ -763,18 +763,26 @@ im2col() {
         --ncu "$(command -v ncu || echo /usr/local/cuda/bin/ncu)" --out "$OUT/cuda/cuda-ncu-profile-tiled.json"
 }
 
-# The second tiled im2col (one thread per value of a pixel's segment) against ggml's kernel in
-# the same build, then the farm under MPS (N=4) at 1024 and 512, 1 step.
+# Two tiled im2col kernels against ggml's in one build (carried: SDFARM_IM2COL_TILED=0 ggml's,
+# =1 the first tiled kernel, unset the second, one thread per value of a pixel's segment),
+# then the farm under MPS (N=4) at 1024 and 512, 1 step, then the peer's eager batch 1.
 im2col2() {
     NOPACK=1 ensure
     mkdir -p "$OUT/cuda"
     stage 60 im2col-options bench/build_options.py --model "$MODEL" --device CUDA0 \
         --sizes 512,1024 --images 4 --variant "ggml=$CUDA_DIR:SDFARM_IM2COL_TILED=0" \
-        --variant "tiled=$CUDA_DIR" --variant "ggml-again=$CUDA_DIR:SDFARM_IM2COL_TILED=0" \
-        --variant "tiled-again=$CUDA_DIR" --out "$OUT/cuda/cuda-im2col2-options.json"
+        --variant "tiled1=$CUDA_DIR:SDFARM_IM2COL_TILED=1" --variant "tiled2=$CUDA_DIR" \
+        --variant "ggml-again=$CUDA_DIR:SDFARM_IM2COL_TILED=0" \
+        --variant "tiled1-again=$CUDA_DIR:SDFARM_IM2COL_TILED=1" \
+        --variant "tiled2-again=$CUDA_DIR" --out "$OUT/cuda/cuda-im2col2-options.json"
     if mps_start; then
-        farm_cases tiled2-mps 4 2 75 "1024:1:16 512:1:40"
+        farm_cases tiled2-mps 4 2 70 "1024:1:16 512:1:40"
         mps_stop
+    fi
+    local left=$(( PHASE_BUDGET - $(now) - 5 ))
+    if [ "$left" -ge 40 ]; then
+        timeout "$left" $PY bench/peer_diffusers.py --sizes 512,1024 --steps 1 --batches 1 \
+            --runs 5 --deadline $(( left - 10 )) --out "$OUT/cuda/cuda-peer-diffusers-im2col2-lease.json"
     fi
 }
 

@@ -5,9 +5,14 @@
 // every read fetches a sector for four bytes. Profiled on an H200 (bench/ncu_profile.py), it
 // was 186 of the 274 ms of a 1024x1024 SD VAE decode.
 //
+// Measured on the H200 against ggml's kernel in the same build (bench/build_options.py,
+// docs/gpu.md): the same pixels, 438-443 -> 281-284 ms per 1024x1024 image, 125-127 -> 86-88
+// at 512. (A first version, which divided per value written, gave 341-357 and 101-106.)
+//
 // Here one block takes TW consecutive output pixels of one output row and CT channels: it
 // first copies the input rows those pixels need into shared memory, reading along the row
-// (coalesced), then writes each pixel's CT*KH*KW values, which are contiguous in dst. Every
+// (coalesced), then writes each pixel's CT*KH*KW values, which are contiguous in dst, one
+// thread per value. Every
 // value is the same float, converted to T the same way, at the same place as ggml's kernel
 // puts it, so the image does not change (tests/unit/test_im2col_patch.py checks the layout
 // against ggml's indexing on the host; bench/build_options.py the pixels on the GPU).
@@ -75,17 +80,21 @@ static __host__ __device__ __forceinline__ void sdfarm_im2col_tile(
 #ifdef __CUDA_ARCH__
     __syncthreads();
 #endif
-    // The output: for each pixel, its CT*KH*KW values, contiguous in dst.
+    // The output: each thread takes one (channel, kh, kw) of the tile's CT*KH*KW and writes it
+    // for every pixel; at each pixel the threads' writes are contiguous in dst. The divisions
+    // are per value of the segment, not per value written.
     const int seg = ct * KH_KW;
-    for (int j = tid; j < tw * seg; j += nt) {
-        const int p  = j / seg;
-        const int r  = j - p * seg;
+    const int64_t base = (iz * OW + ow0) * IC_KH_KW + (int64_t) ic0 * KH_KW;
+    for (int r = tid; r < seg; r += nt) {
         const int c  = r / KH_KW;
         const int k  = r - c * KH_KW;
         const int kh = k / KW;
         const int kw = k - kh * KW;
-        const int64_t off = (iz * OW + ow0 + p) * IC_KH_KW + (int64_t) (ic0 + c) * KH_KW + k;
-        dst[off] = tile[(c * KH + kh) * SW + p * s0 + kw * d0];
+        const float * from = tile + (c * KH + kh) * SW + kw * d0;
+        T * to = dst + base + r;
+        for (int p = 0; p < tw; p++) {
+            to[p * IC_KH_KW] = from[p * s0];
+        }
     }
 #ifdef __CUDA_ARCH__
     __syncthreads();
@@ -138,7 +147,10 @@ static bool sdfarm_im2col_tiled(
     if (grid.y > 65535) {
         return false;
     }
-    sdfarm_im2col_tiled_kernel<T><<<grid, 256, smem, stream>>>(
+    // One thread per value of a pixel's segment (rounded up to whole warps), at most 1024.
+    const int64_t seg = (IC < SDFARM_IM2COL_CT ? IC : SDFARM_IM2COL_CT) * KH * KW;
+    const int threads = seg >= 1024 ? 1024 : (int) ((seg + 31) / 32 * 32);
+    sdfarm_im2col_tiled_kernel<T><<<grid, threads, smem, stream>>>(
         x, dst, N_OH, (int) IW, (int) IH, (int) OW, (int) OH, (int) KW, (int) KH, (int) IC,
         IC_IH_IW, IH_IW, sdfarm_im2col_tile_width(s0, d0, (int) KW), s0, s1, p0, p1, d0, d1);
     return true;
