@@ -36,6 +36,7 @@
 #   bash bench/gpu_run.sh profile   # kernel-by-kernel profile of an image at 512 and 1024
 #   bash bench/gpu_run.sh lookprofile # lookahead, then profile
 #   bash bench/gpu_run.sh im2col2   # the same for the second kernel; the farm under MPS at N=4
+#   bash bench/gpu_run.sh im2col4   # the 4-step cases under MPS (N=4) with the carried runtime
 #   bash bench/gpu_run.sh im2col    # build with the tiled im2col patch; ggml's kernel against it
 #                                   # (SDFARM_IM2COL_TILED=0): ms/image, same pixels; the peer
 #                                   # eager b1; the farm under MPS (N=4); the 1024 profile again
@@ -786,6 +787,16 @@ im2col2() {
     fi
 }
 
+# The 4-step cases of the peer table under MPS (N=4) with the carried tiled-im2col runtime.
+im2col4() {
+    NOPACK=1 ensure
+    mkdir -p "$OUT/cuda"
+    if mps_start; then
+        farm_cases tiled2-mps 4 2 70 "1024:4:12 512:4:30"
+        mps_stop
+    fi
+}
+
 # The image-to-video test model's GPU peak against its estimate; TAESD under MPS at N = 2, 4.
 i2vmps() {
     PACK_LATER=1 ensure
@@ -833,7 +844,7 @@ peertwo() {
 case "$PHASE" in
     setup | bench1 | bench2) ;;
     cuda_recheck | cudafarm | overhead | speedbatch | gputests | cpu1024 | twogpu) ;;
-    features | tiling | peer | tilingpeer | decodefarm | lanes | extras | cudaopts | cudamore | vulkan | vkcheck | peerone | peertwo | peerthree | effprefetch | nextlease | chainlease | i2vmps | lookahead | profile | lookprofile | im2col | im2col2) ;;
+    features | tiling | peer | tilingpeer | decodefarm | lanes | extras | cudaopts | cudamore | vulkan | vkcheck | peerone | peertwo | peerthree | effprefetch | nextlease | chainlease | i2vmps | lookahead | profile | lookprofile | im2col | im2col2 | im2col4) ;;
     *) echo "usage: bash bench/gpu_run.sh setup|bench1|bench2|cuda_recheck|cudafarm|overhead|speedbatch|gputests|cpu1024|twogpu|features|tiling|peer|tilingpeer|decodefarm|lanes|extras|cudaopts|cudamore|vulkan|vkcheck|peerone|peertwo|peerthree|effprefetch|nextlease|chainlease|i2vmps|lookahead|profile" >&2; exit 2 ;;
 esac
 set -o pipefail
