@@ -35,11 +35,9 @@
 #   bash bench/gpu_run.sh lookahead # 500 jobs with the chain's lookahead off, on, on again
 #   bash bench/gpu_run.sh profile   # kernel-by-kernel profile of an image at 512 and 1024
 #   bash bench/gpu_run.sh lookprofile # lookahead, then profile
-#   bash bench/gpu_run.sh im2col2   # the same for the second kernel; the farm under MPS at N=4
-#   bash bench/gpu_run.sh im2col4   # the 4-step cases under MPS (N=4) with the carried runtime
-#   bash bench/gpu_run.sh im2col    # build with the tiled im2col patch; ggml's kernel against it
-#                                   # (SDFARM_IM2COL_TILED=0): ms/image, same pixels; the peer
-#                                   # eager b1; the farm under MPS (N=4); the 1024 profile again
+#   bash bench/gpu_run.sh im2col2   # the tiled im2col against ggml's kernel (same build):
+#                                   # ms/image, same pixels; the farm under MPS (N=4); the peer
+#   bash bench/gpu_run.sh im2col4   # the 4-step cases under MPS (N=4) with the tiled im2col
 #
 # Carried: .whl/*.whl (our dependencies and pytest for python3.12), .carry/{redis-server,
 # stable_diffusion_cpp_python-0.4.7.tar.gz}; for the Vulkan stages also .gl/*.deb (Vulkan
@@ -740,42 +738,17 @@ lookprofile() {
     profile
 }
 
-# The tiled im2col (sdfarm.native.sourcepatch) against ggml's kernel in the same build, then
-# the peer's eager batch 1 and the farm under MPS with it, then where 1024's time goes now.
-im2col() {
-    NOPACK=1 ensure
-    mkdir -p "$OUT/cuda"
-    say "build: $(cat "$CUDA_JSON")"
-    stage 90 im2col-options bench/build_options.py --model "$MODEL" --device CUDA0 \
-        --sizes 512,1024 --images 4 --variant "ggml=$CUDA_DIR:SDFARM_IM2COL_TILED=0" \
-        --variant "tiled=$CUDA_DIR" --variant "ggml-again=$CUDA_DIR:SDFARM_IM2COL_TILED=0" \
-        --variant "tiled-again=$CUDA_DIR" --out "$OUT/cuda/cuda-im2col-options.json"
-    local left=$(( PHASE_BUDGET - $(now) - 200 ))
-    if [ "$left" -ge 45 ]; then
-        say "peer_diffusers.py eager batch 1 with ${left}s"
-        timeout "$left" $PY bench/peer_diffusers.py --sizes 512,1024 --steps 1,4 --batches 1 \
-            --runs 5 --deadline $(( left - 10 )) --out "$OUT/cuda/cuda-peer-diffusers-im2col-lease.json"
-    fi
-    if mps_start; then
-        farm_cases tiled-mps 4 2 40
-        mps_stop
-    fi
-    stage 60 ncu-tiled bench/ncu_profile.py --cli "$CLI" --model "$MODEL" --sizes 1024 --steps 1 \
-        --ncu "$(command -v ncu || echo /usr/local/cuda/bin/ncu)" --out "$OUT/cuda/cuda-ncu-profile-tiled.json"
-}
-
-# Two tiled im2col kernels against ggml's in one build (carried: SDFARM_IM2COL_TILED=0 ggml's,
-# =1 the first tiled kernel, unset the second, one thread per value of a pixel's segment),
-# then the farm under MPS (N=4) at 1024 and 512, 1 step, then the peer's eager batch 1.
+# The tiled im2col (sdfarm.native.sourcepatch) against ggml's kernel in the same build
+# (SDFARM_IM2COL_TILED=0), then the farm under MPS (N=4) at 1024 and 512, 1 step, then the
+# peer's eager batch 1. (The lease of cuda-im2col2-options.json carried a build that also held
+# the first tiled kernel, commit 35e8c5d, as SDFARM_IM2COL_TILED=1: its "tiled1" rows.)
 im2col2() {
     NOPACK=1 ensure
     mkdir -p "$OUT/cuda"
     stage 60 im2col-options bench/build_options.py --model "$MODEL" --device CUDA0 \
         --sizes 512,1024 --images 4 --variant "ggml=$CUDA_DIR:SDFARM_IM2COL_TILED=0" \
-        --variant "tiled1=$CUDA_DIR:SDFARM_IM2COL_TILED=1" --variant "tiled2=$CUDA_DIR" \
-        --variant "ggml-again=$CUDA_DIR:SDFARM_IM2COL_TILED=0" \
-        --variant "tiled1-again=$CUDA_DIR:SDFARM_IM2COL_TILED=1" \
-        --variant "tiled2-again=$CUDA_DIR" --out "$OUT/cuda/cuda-im2col2-options.json"
+        --variant "tiled=$CUDA_DIR" --variant "ggml-again=$CUDA_DIR:SDFARM_IM2COL_TILED=0" \
+        --variant "tiled-again=$CUDA_DIR" --out "$OUT/cuda/cuda-im2col2-options.json"
     if mps_start; then
         farm_cases tiled2-mps 4 2 70 "1024:1:16 512:1:40"
         mps_stop
@@ -844,7 +817,7 @@ peertwo() {
 case "$PHASE" in
     setup | bench1 | bench2) ;;
     cuda_recheck | cudafarm | overhead | speedbatch | gputests | cpu1024 | twogpu) ;;
-    features | tiling | peer | tilingpeer | decodefarm | lanes | extras | cudaopts | cudamore | vulkan | vkcheck | peerone | peertwo | peerthree | effprefetch | nextlease | chainlease | i2vmps | lookahead | profile | lookprofile | im2col | im2col2 | im2col4) ;;
+    features | tiling | peer | tilingpeer | decodefarm | lanes | extras | cudaopts | cudamore | vulkan | vkcheck | peerone | peertwo | peerthree | effprefetch | nextlease | chainlease | i2vmps | lookahead | profile | lookprofile | im2col2 | im2col4) ;;
     *) echo "usage: bash bench/gpu_run.sh setup|bench1|bench2|cuda_recheck|cudafarm|overhead|speedbatch|gputests|cpu1024|twogpu|features|tiling|peer|tilingpeer|decodefarm|lanes|extras|cudaopts|cudamore|vulkan|vkcheck|peerone|peertwo|peerthree|effprefetch|nextlease|chainlease|i2vmps|lookahead|profile" >&2; exit 2 ;;
 esac
 set -o pipefail
