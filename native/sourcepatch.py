@@ -6,12 +6,17 @@ exactly once fails the build by name, so a different source can never be half-pa
 build's cache key includes the patches that apply, so a changed patch is a new build, and a
 backend no patch touches keeps its key.
 
-The one patch today replaces ggml's CUDA im2col launch with a tiled kernel
-(`patches/im2col_tiled.cuh`): the same values at the same places, read along the input rows.
-On an H200 ggml's kernel was 186 of the 274 ms of a 1024x1024 VAE decode; with the tiled one
-a 1024x1024 image takes 281-284 ms instead of 438-443, the same pixels (docs/gpu.md, "Where an
-image's GPU time goes"). `SDFARM_IM2COL_TILED=0` in a process's environment switches it back to
-ggml's kernel at run time.
+Two patches, both CUDA only:
+- a tiled im2col (`patches/im2col_tiled.cuh`): the same values at the same places, read along
+  the input rows. On an H200 ggml's kernel was 186 of the 274 ms of a 1024x1024 VAE decode; with
+  the tiled one a 1024x1024 image takes 281-284 ms instead of 438-443, the same pixels
+  (docs/gpu.md, "Where an image's GPU time goes"). `SDFARM_IM2COL_TILED=0` in a process's
+  environment switches it back to ggml's kernel at run time.
+- a split group norm (`patches/group_norm_split.cuh`): each group over many blocks instead of
+  one, and the weight and bias that follow it in the graph fused into its one writing pass;
+  ggml's were 30.7 ms (group norm) + 20.2 ms (broadcasts) of a 1024x1024 image's 341.5 ms of
+  kernels. Its sums are taken in another order, so pixels may move by a rounding
+  (docs/gpu.md says how far). `SDFARM_GROUPNORM_SPLIT=0` switches back to ggml's kernels.
 """
 
 from __future__ import annotations
@@ -72,6 +77,57 @@ PATCHES: tuple[Patch, ...] = (
                 "    const int64_t num_blocks = (IC_KH_KW + CUDA_IM2COL_BLOCK_SIZE - 1)"
                 " / CUDA_IM2COL_BLOCK_SIZE;\n",
             ),
+        ),
+    ),
+)
+
+
+NORM = "ggml/src/ggml-cuda/norm.cu"
+NORM_H = "ggml/src/ggml-cuda/norm.cuh"
+GRAPH = "ggml/src/ggml-cuda/ggml-cuda.cu"
+
+
+def after(path: str, anchor: str, text: str) -> Edit:
+    """Insert `text` right after `anchor`, which must occur exactly once in `path`."""
+    return Edit(path, anchor, anchor + text)
+
+
+# The fused group norm is tried first in the graph loop's fusion block (GGML_CUDA_DISABLE_FUSION
+# skips it with the rest); ggml_can_fuse checks that the norm and the multiply have one use.
+GN_FUSION = (
+    "                    if (node->op == GGML_OP_GROUP_NORM &&\n"
+    "                            ggml_can_fuse(cgraph, i,\n"
+    "                                { GGML_OP_GROUP_NORM, GGML_OP_MUL, GGML_OP_ADD }) &&\n"
+    "                            sdfarm_group_norm_affine(*cuda_ctx, node,\n"
+    "                                cgraph->nodes[i + 1], cgraph->nodes[i + 2])) {\n"
+    "                        i += 2;\n"
+    "                        continue;\n"
+    "                    }\n"
+)
+
+PATCHES += (
+    Patch(
+        name="ggml-cuda-group-norm-split",
+        backends=frozenset({"cuda"}),
+        adds={"ggml/src/ggml-cuda/group_norm_split.cuh": "group_norm_split.cuh"},
+        edits=(
+            after(NORM, '#include "norm.cuh"\n', '#include "group_norm_split.cuh"\n'),
+            after(
+                NORM,
+                "void ggml_cuda_op_group_norm("
+                "ggml_backend_cuda_context & ctx, ggml_tensor * dst) {\n",
+                "    if (sdfarm_group_norm_launch(ctx, dst, dst, nullptr, nullptr)) {\n"
+                "        return;\n"
+                "    }\n",
+            ),
+            after(
+                NORM_H,
+                "void ggml_cuda_op_group_norm("
+                "ggml_backend_cuda_context & ctx, ggml_tensor * dst);\n",
+                "\nbool sdfarm_group_norm_affine(ggml_backend_cuda_context & ctx,\n"
+                "        ggml_tensor * gn, ggml_tensor * mul, ggml_tensor * add);\n",
+            ),
+            after(GRAPH, "                if (!disable_fusion) {\n", GN_FUSION),
         ),
     ),
 )

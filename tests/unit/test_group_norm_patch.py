@@ -1,0 +1,139 @@
+"""The split group norm we patch into ggml (native/patches/group_norm_split.cuh) normalises every
+element of every group once, with its own channel's weight and bias: its per-thread functions,
+compiled for the host with g++ and run one block after another (several threads each), against
+ggml's group norm followed by ggml's mul and add, transcribed as loops in double. Shapes cover
+chunks that do not divide a group, a group smaller than one chunk, several images, and the
+fusion's channel lookup across a group's planes. (On the GPU bench/build_options.py compares
+the pixels.)
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from sdfarm.native import sourcepatch
+
+HARNESS = r"""
+#include <cmath>
+#include <cstdio>
+#include <vector>
+#include "group_norm_split.cuh"
+
+int main() {
+    long W, H, C, N, G;
+    int affine, nt, cases = 0;
+    while (scanf("%ld %ld %ld %ld %ld %d %d", &W, &H, &C, &N, &G, &affine, &nt) == 7) {
+        const long plane = W * H, cpg = C / G, gs = plane * cpg, ne = plane * C * N;
+        std::vector<float> x(ne), w(C), b(C), got(ne, NAN);
+        for (long i = 0; i < ne; i++) x[i] = (float) std::sin(0.37 * i) * 3.0f + 0.5f * (i % 7);
+        for (long c = 0; c < C; c++) { w[c] = 0.5f + 0.01f * c; b[c] = -0.25f + 0.02f * c; }
+        const long groups = G * N;
+        const int chunks = sdfarm_gn_chunks(gs, groups);
+        std::vector<sdfarm_gn_part> part(groups * chunks);
+        for (long g = 0; g < groups; g++)
+        for (int c = 0; c < chunks; c++) {
+            long a, e;
+            sdfarm_gn_range(g, c, gs, ne, chunks, &a, &e);
+            sdfarm_gn_part t = {0.0, 0.0};
+            for (int tid = 0; tid < nt; tid++) {
+                const sdfarm_gn_part p = sdfarm_gn_thread_sums(x.data(), a, e, tid, nt);
+                t.s += p.s; t.ss += p.ss;
+            }
+            part[g * chunks + c] = t;
+        }
+        for (long g = 0; g < groups; g++) {
+            float mean, scale;
+            sdfarm_gn_stats(part.data(), g, chunks, gs, 1e-6f, &mean, &scale);
+            for (int c = 0; c < chunks; c++) {
+                long a, e;
+                sdfarm_gn_range(g, c, gs, ne, chunks, &a, &e);
+                for (int tid = 0; tid < nt; tid++)
+                    sdfarm_gn_thread_apply(x.data(), got.data(), affine ? w.data() : nullptr,
+                                           affine ? b.data() : nullptr, a, e, g, gs, plane, cpg,
+                                           G, mean, scale, tid, nt);
+            }
+        }
+        double worst = 0.0;
+        for (long g = 0; g < groups; g++) {
+            double s = 0.0, v = 0.0;
+            for (long j = g * gs; j < (g + 1) * gs; j++) s += x[j];
+            const double m = s / gs;
+            for (long j = g * gs; j < (g + 1) * gs; j++) v += (x[j] - m) * (x[j] - m);
+            const double inv = 1.0 / std::sqrt(v / gs + 1e-6);
+            for (long j = g * gs; j < (g + 1) * gs; j++) {
+                const long ch = (j / plane) % C;
+                double want = (x[j] - m) * inv;
+                if (affine) want = want * w[ch] + b[ch];
+                const double err = std::fabs(got[j] - want);  // NAN (never written) fails too
+                if (!(err <= 2e-5 * (1.0 + std::fabs(want)))) {
+                    printf("MISMATCH case %d at %ld (channel %ld): want %.8g got %.8g\n",
+                           cases, j, ch, want, got[j]);
+                    return 1;
+                }
+                worst = err > worst ? err : worst;
+            }
+        }
+        printf("case %d: %ld values, %d chunks per group, worst error %.3g\n", cases, ne, chunks,
+               worst);
+        cases++;
+    }
+    printf("ok %d\n", cases);
+    return 0;
+}
+"""
+
+# W H C N groups affine threads
+CASES = [
+    (128, 128, 64, 1, 32, 1, 256),  # a VAE block's shape, small: two chunks per group
+    (300, 111, 64, 1, 32, 0, 128),  # 66,600-element groups: chunks do not divide them
+    (8, 8, 32, 1, 32, 1, 64),  # groups of one 64-element plane: one chunk of 64
+    (45, 33, 96, 2, 32, 1, 96),  # two images, three channels per group
+    (17, 19, 320, 1, 32, 1, 256),  # the UNet's 320 channels, an odd plane
+]
+
+
+@pytest.fixture(scope="module")
+def harness(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    cxx = shutil.which("g++") or shutil.which("c++")
+    assert cxx, "a C++ compiler is needed (the runtime's build needs one too)"
+    tmp = tmp_path_factory.mktemp("gn")
+    src = tmp / "harness.cpp"
+    src.write_text(HARNESS)
+    exe = tmp / "harness"
+    subprocess.run(
+        [cxx, "-std=c++17", "-O2", f"-I{sourcepatch.HERE}", str(src), "-o", str(exe)], check=True
+    )
+    return exe
+
+
+def test_split_group_norm_matches_ggml_with_its_affine(harness: Path) -> None:
+    stdin = "\n".join(" ".join(map(str, c)) for c in CASES) + "\n"
+    done = subprocess.run([str(harness)], input=stdin, capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.strip().endswith(f"ok {len(CASES)}"), done.stdout
+    chunks = [
+        int(line.split(" chunks per group")[0].rsplit(" ", 1)[1])
+        for line in done.stdout.splitlines()
+        if "chunks per group" in line
+    ]
+    assert chunks[0] > 1 and chunks[1] > 1 and chunks[2] == 1, done.stdout  # split and not
+
+
+def test_the_patch_applies_to_the_pinned_source(tmp_path: Path) -> None:
+    from sdfarm.native import build
+
+    root = build.cache_root()
+    src = build.unpack_sdist(build.fetch_sdist(root), root)
+    out = sourcepatch.apply(src, tmp_path / "patched", sourcepatch.for_backend("cuda"))
+    norm = (out / sourcepatch.NORM).read_text()
+    assert '#include "group_norm_split.cuh"' in norm
+    assert norm.count("sdfarm_group_norm_launch(ctx, dst, dst, nullptr, nullptr)") == 1
+    assert "sdfarm_group_norm_affine(" in (out / sourcepatch.NORM_H).read_text()
+    graph = (out / sourcepatch.GRAPH).read_text()
+    assert graph.count("sdfarm_group_norm_affine(*cuda_ctx, node,") == 1
+    assert graph.index("sdfarm_group_norm_affine") < graph.index("ggml_cuda_topk_moe_args args;")
+    assert (src / sourcepatch.GRAPH).read_text().count("sdfarm") == 0
