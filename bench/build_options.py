@@ -5,8 +5,10 @@ A variant is a label, a runtime build folder (`sdfarm build --json` prints its `
 e.g. one built with `--cmake-arg=-DSD_FAST_SOFTMAX=ON`) and environment settings for the
 process (e.g. `GGML_CUDA_DISABLE_GRAPHS=1`). Each child loads the model on the device, makes
 one untimed image per size, then `--images` timed ones (same seed), and reports the median
-seconds per image and the SHA-256 of the last image's pixels; the parent compares every
-variant's pixels with the first variant's.
+seconds per image and the SHA-256 of the last image's pixels, and keeps that image as a PNG;
+the parent compares every variant's pixels with the first variant's: the same or not, and where
+not, how far (the largest difference of a channel value, the share of values that differ, and
+the PSNR in dB).
 
     python bench/build_options.py --model DIR --device CUDA0 --sizes 512,1024 --images 5 \\
         --variant base=/tmp/cudart --variant graphs-off=/tmp/cudart:GGML_CUDA_DISABLE_GRAPHS=1 \\
@@ -21,13 +23,14 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 MARK = "@@build-options "
 
 
-def child(model: str, device: str, sizes: list[int], images: int) -> None:
+def child(model: str, device: str, sizes: list[int], images: int, save: str) -> None:
     import hashlib
 
     from sdfarm.native.engine import Engine, LogConfig
@@ -44,10 +47,27 @@ def child(model: str, device: str, sizes: list[int], images: int) -> None:
             result = engine.generate(params)
             times.append(time.perf_counter() - t)
             digest = hashlib.sha256(result.image.tobytes()).hexdigest()[:16]
+        result.image.save(f"{save}-{size}.png")
         print(MARK + json.dumps({"size": size, "s_per_image": statistics.median(times),
                                  "times": [round(x, 4) for x in times],
                                  "pixels": digest}), flush=True)  # fmt: skip
     engine.dispose()
+
+
+def difference(a_png: Path, b_png: Path) -> dict:
+    """How far two images are apart: largest channel difference, share differing, PSNR."""
+    import numpy as np
+    from PIL import Image
+
+    a = np.asarray(Image.open(a_png), dtype=np.int16)
+    b = np.asarray(Image.open(b_png), dtype=np.int16)
+    if a.shape != b.shape:
+        return {"shape_differs": True}
+    d = np.abs(a - b)
+    mse = float(np.mean(d.astype(np.float64) ** 2))
+    psnr = float("inf") if mse == 0 else 10 * np.log10(255.0**2 / mse)
+    return {"max_abs_diff": int(d.max()), "share_differing": round(float(np.mean(d > 0)), 6),
+            "psnr_db": round(float(psnr), 2) if mse else None}  # fmt: skip
 
 
 def parse_variant(text: str) -> tuple[str, str, dict[str, str]]:
@@ -70,12 +90,14 @@ def main() -> int:
     ap.add_argument("--deadline", type=float, default=None, help="no new variant after (s)")
     ap.add_argument("--out")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--save", default="", help=argparse.SUPPRESS)
     args = ap.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
     if args.child:
-        child(args.model, args.device, sizes, args.images)
+        child(args.model, args.device, sizes, args.images, args.save)
         return 0
     t0 = time.monotonic()
+    keep = Path(tempfile.mkdtemp(prefix="build-options-"))
     rows: list[dict] = []
     for label, directory, env in args.variant:
         if args.deadline is not None and time.monotonic() - t0 > args.deadline:
@@ -83,7 +105,8 @@ def main() -> int:
             continue
         child_env = {**os.environ, "SDFARM_RUNTIME_DIR": directory, **env}
         cmd = [sys.executable, __file__, "--child", "--model", args.model, "--device",
-               args.device, "--sizes", args.sizes, "--images", str(args.images)]  # fmt: skip
+               args.device, "--sizes", args.sizes, "--images", str(args.images),
+               "--save", str(keep / label)]  # fmt: skip
         done = subprocess.run(cmd, capture_output=True, text=True, env=child_env)
         found = [json.loads(line[len(MARK) :]) for line in done.stdout.splitlines()
                  if line.startswith(MARK)]  # fmt: skip
@@ -95,10 +118,17 @@ def main() -> int:
             rows.append({"variant": label, "runtime": Path(directory).name, "env": env, **r})
             print(f"{label:14} {r['size']:>5}  {r['s_per_image'] * 1000:7.1f} ms/image  "
                   f"pixels {r['pixels']}", flush=True)  # fmt: skip
-    base = {r["size"]: r["pixels"] for r in rows if r.get("variant") == args.variant[0][0]}
+    first = args.variant[0][0]
+    base = {r["size"]: r["pixels"] for r in rows if r.get("variant") == first}
     for r in rows:
         if "pixels" in r:
             r["same_pixels_as_first"] = r["pixels"] == base.get(r["size"])
+            if not r["same_pixels_as_first"] and r["size"] in base:
+                size = r["size"]
+                r["against_first"] = difference(
+                    keep / f"{first}-{size}.png", keep / f"{r['variant']}-{size}.png"
+                )
+                print(f"{r['variant']:14} {r['size']:>5}  against {first}: {r['against_first']}")
     doc = {"what": __doc__.splitlines()[0], "model": Path(args.model).name,
            "device": args.device, "images": args.images, "rows": rows}  # fmt: skip
     if args.out:

@@ -38,6 +38,9 @@
 #   bash bench/gpu_run.sh im2col2   # the tiled im2col against ggml's kernel (same build):
 #                                   # ms/image, same pixels; the farm under MPS (N=4); the peer
 #   bash bench/gpu_run.sh im2col4   # the 4-step cases under MPS (N=4) with the tiled im2col
+#   bash bench/gpu_run.sh gnorm     # the split group norm against ggml's (same build), then
+#                                   # the farm under MPS (N=4) at the peer table's four cases
+#   bash bench/gpu_run.sh gnormpeer # right after gnorm: diffusers eager b1, compiled b4
 #
 # Carried: .whl/*.whl (our dependencies and pytest for python3.12), .carry/{redis-server,
 # stable_diffusion_cpp_python-0.4.7.tar.gz}; for the Vulkan stages also .gl/*.deb (Vulkan
@@ -770,6 +773,35 @@ im2col4() {
     fi
 }
 
+# The split group norm with its affine fused (sdfarm.native.sourcepatch) against ggml's group
+# norm, both with the tiled im2col, in one build: ms per image and how far the pixels move
+# (the fusion alone off: GGML_CUDA_DISABLE_FUSION=1); then the farm under MPS (N=4) at the
+# four cases of the peer table.
+gnorm() {
+    NOPACK=1 ensure
+    mkdir -p "$OUT/cuda"
+    stage 100 gnorm-options bench/build_options.py --model "$MODEL" --device CUDA0 \
+        --sizes 512,1024 --images 4 --variant "ggml-gn=$CUDA_DIR:SDFARM_GROUPNORM_SPLIT=0" \
+        --variant "split=$CUDA_DIR" --variant "split-unfused=$CUDA_DIR:GGML_CUDA_DISABLE_FUSION=1" \
+        --variant "ggml-gn-again=$CUDA_DIR:SDFARM_GROUPNORM_SPLIT=0" --variant "split-again=$CUDA_DIR" \
+        --out "$OUT/cuda/cuda-gnorm-options.json"
+    if mps_start; then
+        farm_cases gnorm-mps 4 2 75
+        mps_stop
+    fi
+}
+
+# The peer of the same lease as gnorm: diffusers eager at batch 1 (four cases), then compiled
+# at batch 4 (each shape compiles first, about two minutes at 512), as far as the call allows.
+gnormpeer() {
+    prep
+    mkdir -p "$OUT/cuda"
+    local left=$(( PHASE_BUDGET - $(now) - 10 ))
+    timeout "$left" $PY bench/peer_diffusers.py --sizes 512,1024 --steps 1,4 --batches 1 \
+        --compile --compile-batches 4 --runs 5 --deadline $(( left - 60 )) \
+        --out "$OUT/cuda/cuda-peer-diffusers-gnorm-lease.json"
+}
+
 # The image-to-video test model's GPU peak against its estimate; TAESD under MPS at N = 2, 4.
 i2vmps() {
     PACK_LATER=1 ensure
@@ -817,7 +849,7 @@ peertwo() {
 case "$PHASE" in
     setup | bench1 | bench2) ;;
     cuda_recheck | cudafarm | overhead | speedbatch | gputests | cpu1024 | twogpu) ;;
-    features | tiling | peer | tilingpeer | decodefarm | lanes | extras | cudaopts | cudamore | vulkan | vkcheck | peerone | peertwo | peerthree | effprefetch | nextlease | chainlease | i2vmps | lookahead | profile | lookprofile | im2col2 | im2col4) ;;
+    features | tiling | peer | tilingpeer | decodefarm | lanes | extras | cudaopts | cudamore | vulkan | vkcheck | peerone | peertwo | peerthree | effprefetch | nextlease | chainlease | i2vmps | lookahead | profile | lookprofile | im2col2 | im2col4 | gnorm | gnormpeer) ;;
     *) echo "usage: bash bench/gpu_run.sh setup|bench1|bench2|cuda_recheck|cudafarm|overhead|speedbatch|gputests|cpu1024|twogpu|features|tiling|peer|tilingpeer|decodefarm|lanes|extras|cudaopts|cudamore|vulkan|vkcheck|peerone|peertwo|peerthree|effprefetch|nextlease|chainlease|i2vmps|lookahead|profile" >&2; exit 2 ;;
 esac
 set -o pipefail
