@@ -93,15 +93,15 @@ def after(path: str, anchor: str, text: str) -> Edit:
 
 
 # The fused group norm is tried first in the graph loop's fusion block (GGML_CUDA_DISABLE_FUSION
-# skips it with the rest); ggml_can_fuse checks that the norm and the multiply have one use.
+# skips it with the rest); sdfarm_group_norm_fuse returns the last node it computed, or -1.
 GN_FUSION = (
-    "                    if (node->op == GGML_OP_GROUP_NORM &&\n"
-    "                            ggml_can_fuse(cgraph, i,\n"
-    "                                { GGML_OP_GROUP_NORM, GGML_OP_MUL, GGML_OP_ADD }) &&\n"
-    "                            sdfarm_group_norm_affine(*cuda_ctx, node,\n"
-    "                                cgraph->nodes[i + 1], cgraph->nodes[i + 2])) {\n"
-    "                        i += 2;\n"
-    "                        continue;\n"
+    "                    if (node->op == GGML_OP_GROUP_NORM) {\n"
+    "                        const int sdfarm_last =\n"
+    "                            sdfarm_group_norm_fuse(*cuda_ctx, cgraph, i);\n"
+    "                        if (sdfarm_last > i) {\n"
+    "                            i = sdfarm_last;\n"
+    "                            continue;\n"
+    "                        }\n"
     "                    }\n"
 )
 
@@ -124,8 +124,8 @@ PATCHES += (
                 NORM_H,
                 "void ggml_cuda_op_group_norm("
                 "ggml_backend_cuda_context & ctx, ggml_tensor * dst);\n",
-                "\nbool sdfarm_group_norm_affine(ggml_backend_cuda_context & ctx,\n"
-                "        ggml_tensor * gn, ggml_tensor * mul, ggml_tensor * add);\n",
+                "\nint sdfarm_group_norm_fuse(ggml_backend_cuda_context & ctx,"
+                " ggml_cgraph * cgraph, int i);\n",
             ),
             after(GRAPH, "                if (!disable_fusion) {\n", GN_FUSION),
         ),

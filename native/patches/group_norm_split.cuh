@@ -131,6 +131,58 @@ static __host__ __device__ __forceinline__ void sdfarm_gn_thread_apply(
     }
 }
 
+// The graph walk of the fusion, outside CUDA too (the test builds a graph with the pinned ggml
+// on the host and asks it): needs ggml-impl.h, which norm.cu has through common.cuh.
+#if defined(__CUDACC__) || defined(SDFARM_GN_HOST_GRAPH)
+// Whether a graph node computes nothing (the graph loop of ggml-cuda.cu skips these too).
+static bool sdfarm_gn_computes_nothing(const ggml_tensor * t) {
+    return ggml_is_empty(t) || t->op == GGML_OP_RESHAPE || t->op == GGML_OP_TRANSPOSE ||
+           t->op == GGML_OP_VIEW || t->op == GGML_OP_PERMUTE || t->op == GGML_OP_NONE;
+}
+
+// Whether node idx of the graph is read by exactly one node and nowhere else: ggml's own
+// ggml_node_has_n_uses, except that it allows a node to be an in-place view of `base` (the
+// mul and the add of ggml_ext_group_norm are in place, so the mul is a view of the group
+// norm's tensor; any other view of that tensor is a use of the group norm or of the mul, and
+// is counted there).
+static bool sdfarm_gn_one_use(const ggml_cgraph * cgraph, int idx, const ggml_tensor * base) {
+    const ggml_tensor * t = cgraph->nodes[idx];
+    return ggml_node_get_use_count(cgraph, idx) == 1 &&
+           (t->view_src == nullptr || t->view_src == base) && (t->flags & GGML_TENSOR_FLAG_OUTPUT) == 0;
+}
+
+// ggml_ext_group_norm's nodes from the group norm at i: idx = {the group norm, the mul by the
+// weight, the add of the bias}. Between them the graph holds the reshapes of the weight and
+// the bias ([C] -> [1, 1, C, 1]; a mul's second source is visited after its first), which
+// compute nothing and are stepped over. The group norm and the mul must have no other use
+// (ggml_can_fuse_ext's rule, which refuses the in-place mul outright: sdfarm_gn_one_use).
+static bool sdfarm_gn_fusion_nodes(const ggml_cgraph * cgraph, int i, int idx[3]) {
+    idx[0] = i;
+    int j = i + 1;
+    for (int k = 1; k < 3; k++) {
+        while (j < cgraph->n_nodes && sdfarm_gn_computes_nothing(cgraph->nodes[j])) {
+            j++;
+        }
+        if (j >= cgraph->n_nodes) {
+            return false;
+        }
+        idx[k] = j++;
+    }
+    const ggml_tensor * gn  = cgraph->nodes[idx[0]];
+    const ggml_tensor * mul = cgraph->nodes[idx[1]];
+    const ggml_tensor * add = cgraph->nodes[idx[2]];
+    for (const ggml_tensor * t : {gn, mul, add}) {
+        if ((t->flags & GGML_TENSOR_FLAG_COMPUTE) == 0) {
+            return false;
+        }
+    }
+    return gn->op == GGML_OP_GROUP_NORM && mul->op == GGML_OP_MUL && add->op == GGML_OP_ADD &&
+           mul->src[0] == gn && add->src[0] == mul &&
+           ggml_are_same_shape(mul, gn) && ggml_are_same_shape(add, mul) &&
+           sdfarm_gn_one_use(cgraph, idx[0], nullptr) && sdfarm_gn_one_use(cgraph, idx[1], gn);
+}
+#endif
+
 #ifdef __CUDACC__
 static __device__ __forceinline__ double sdfarm_gn_warp_sum(double v) {
 #pragma unroll
@@ -235,14 +287,19 @@ static bool sdfarm_group_norm_launch(
     return true;
 }
 
-// The fused form of ggml_ext_group_norm's three nodes, gn -> mul (by the weight) -> add (the
-// bias), called by the graph loop of ggml-cuda.cu once ggml_can_fuse has checked that gn and
-// mul have no other use. Writes add's tensor; false (nothing launched) where it does not fit.
-bool sdfarm_group_norm_affine(
-        ggml_backend_cuda_context & ctx, ggml_tensor * gn, ggml_tensor * mul, ggml_tensor * add) {
-    if (mul->src[0] != gn || add->src[0] != mul) {
-        return false;
+// The fused form of ggml_ext_group_norm's three nodes (see sdfarm_gn_fusion_nodes), tried by
+// the graph loop of ggml-cuda.cu at the group norm node i. Returns the index of the add,
+// whose tensor it wrote, or -1 (nothing launched; the loop goes on at i).
+int sdfarm_group_norm_fuse(ggml_backend_cuda_context & ctx, ggml_cgraph * cgraph, int i) {
+    int idx[3];
+    if (!sdfarm_gn_fusion_nodes(cgraph, i, idx)) {
+        return -1;
     }
-    return sdfarm_group_norm_launch(ctx, gn, add, mul->src[1], add->src[1]);
+    ggml_tensor * mul = cgraph->nodes[idx[1]];
+    ggml_tensor * add = cgraph->nodes[idx[2]];
+    if (!sdfarm_group_norm_launch(ctx, cgraph->nodes[idx[0]], add, mul->src[1], add->src[1])) {
+        return -1;
+    }
+    return idx[2];
 }
 #endif

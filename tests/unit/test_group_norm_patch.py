@@ -132,8 +132,90 @@ def test_the_patch_applies_to_the_pinned_source(tmp_path: Path) -> None:
     norm = (out / sourcepatch.NORM).read_text()
     assert '#include "group_norm_split.cuh"' in norm
     assert norm.count("sdfarm_group_norm_launch(ctx, dst, dst, nullptr, nullptr)") == 1
-    assert "sdfarm_group_norm_affine(" in (out / sourcepatch.NORM_H).read_text()
+    assert "int sdfarm_group_norm_fuse(" in (out / sourcepatch.NORM_H).read_text()
     graph = (out / sourcepatch.GRAPH).read_text()
-    assert graph.count("sdfarm_group_norm_affine(*cuda_ctx, node,") == 1
-    assert graph.index("sdfarm_group_norm_affine") < graph.index("ggml_cuda_topk_moe_args args;")
+    assert graph.count("sdfarm_group_norm_fuse(*cuda_ctx, cgraph, i);") == 1
+    assert graph.index("sdfarm_group_norm_fuse") < graph.index("ggml_cuda_topk_moe_args args;")
     assert (src / sourcepatch.GRAPH).read_text().count("sdfarm") == 0
+
+
+GRAPH_HARNESS = r"""
+#include <cstdio>
+#include "ggml.h"
+#include "ggml-impl.h"
+#define SDFARM_GN_HOST_GRAPH 1
+#include "group_norm_split.cuh"
+
+// ggml_ext_group_norm of stable-diffusion.cpp (src/ggml_extend.hpp at master-596).
+static ggml_tensor * sd_group_norm(ggml_context * ctx, ggml_tensor * x, ggml_tensor * w,
+                                   ggml_tensor * b) {
+    w = ggml_reshape_4d(ctx, w, 1, 1, w->ne[0], 1);
+    b = ggml_reshape_4d(ctx, b, 1, 1, b->ne[0], 1);
+    x = ggml_group_norm(ctx, x, 32, 1e-6f);
+    x = ggml_mul_inplace(ctx, x, w);
+    return ggml_add_inplace(ctx, x, b);
+}
+
+int main() {
+    ggml_init_params params = {64 * 1024 * 1024, nullptr, true};
+    ggml_context * ctx = ggml_init(params);
+    ggml_tensor * x = ggml_new_tensor_4d(ctx, GGML_TYPE_F32, 16, 16, 64, 1);
+    ggml_tensor * w1 = ggml_new_tensor_1d(ctx, GGML_TYPE_F32, 64);
+    ggml_tensor * b1 = ggml_new_tensor_1d(ctx, GGML_TYPE_F32, 64);
+    ggml_tensor * w2 = ggml_new_tensor_1d(ctx, GGML_TYPE_F32, 64);
+    ggml_tensor * b2 = ggml_new_tensor_1d(ctx, GGML_TYPE_F32, 64);
+    // a resnet's first norm, then silu
+    ggml_tensor * h = ggml_silu_inplace(ctx, sd_group_norm(ctx, x, w1, b1));
+    // a bare group norm whose result is also used elsewhere: not fusable
+    ggml_tensor * g = ggml_group_norm(ctx, h, 32, 1e-6f);
+    ggml_tensor * m = ggml_mul(ctx, g, ggml_reshape_4d(ctx, w2, 1, 1, 64, 1));
+    ggml_tensor * out = ggml_add(ctx, ggml_add(ctx, m, ggml_reshape_4d(ctx, b2, 1, 1, 64, 1)), g);
+    ggml_cgraph * gf = ggml_new_graph(ctx);
+    ggml_build_forward_expand(gf, out);
+    for (int i = 0; i < ggml_graph_n_nodes(gf); i++) {
+        ggml_tensor * n = ggml_graph_node(gf, i);
+        if (n->op != GGML_OP_GROUP_NORM) continue;
+        int idx[3] = {-1, -1, -1};
+        const bool fuse = sdfarm_gn_fusion_nodes(gf, i, idx);
+        printf("group_norm at %d: fuse %d", i, (int) fuse);
+        if (fuse) printf(" mul at %d (%s) add at %d (%s) between: %s", idx[1],
+                         ggml_op_name(ggml_graph_node(gf, idx[1])->op), idx[2],
+                         ggml_op_name(ggml_graph_node(gf, idx[2])->op),
+                         ggml_op_name(ggml_graph_node(gf, i + 1)->op));
+        printf("\n");
+    }
+    ggml_free(ctx);
+    return 0;
+}
+"""
+
+
+def test_the_fusion_finds_stable_diffusion_cpps_group_norm_in_a_real_ggml_graph(
+    tmp_path: Path,
+) -> None:
+    """The graph walk, on a graph the pinned ggml builds (the CPU runtime's library): the
+    group norm as stable-diffusion.cpp writes it is fused with its mul and add, which sit
+    behind the weight's reshape, and a group norm with another use is not."""
+    from sdfarm.native import build
+
+    runtime = build.ensure_runtime("cpu")
+    root = build.cache_root()
+    src = build.unpack_sdist(build.fetch_sdist(root), root)
+    cxx = shutil.which("g++") or shutil.which("c++")
+    assert cxx
+    (tmp_path / "graph.cpp").write_text(GRAPH_HARNESS)
+    lib = Path(runtime.library)
+    exe = tmp_path / "graph"
+    subprocess.run(
+        [cxx, "-std=c++17", "-O1", f"-I{src / 'ggml/include'}", f"-I{src / 'ggml/src'}",
+         f"-I{sourcepatch.HERE}", str(tmp_path / "graph.cpp"), "-o", str(exe), str(lib),
+         f"-Wl,-rpath,{lib.parent}"],
+        check=True,
+    )  # fmt: skip
+    done = subprocess.run([str(exe)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = done.stdout.splitlines()
+    assert len(lines) == 2, done.stdout
+    assert "fuse 1" in lines[0] and "(MUL)" in lines[0] and "(ADD)" in lines[0], lines[0]
+    assert lines[0].endswith("between: RESHAPE"), lines[0]  # why the walk steps over views
+    assert "fuse 0" in lines[1], lines[1]
