@@ -40,7 +40,8 @@
 #   bash bench/gpu_run.sh im2col4   # the 4-step cases under MPS (N=4) with the tiled im2col
 #   bash bench/gpu_run.sh gnorm     # the split group norm against ggml's (same build), then
 #                                   # the farm under MPS (N=4) at the peer table's four cases
-#   bash bench/gpu_run.sh gnormpeer # right after gnorm: diffusers eager b1, compiled b4
+#   bash bench/gpu_run.sh gnormpeer # right after gnorm: diffusers eager b1, compiled b4; the
+#                                   # kernel profile at 1024 with both patches
 #
 # Carried: .whl/*.whl (our dependencies and pytest for python3.12), .carry/{redis-server,
 # stable_diffusion_cpp_python-0.4.7.tar.gz}; for the Vulkan stages also .gl/*.deb (Vulkan
@@ -792,14 +793,18 @@ gnorm() {
 }
 
 # The peer of the same lease as gnorm: diffusers eager at batch 1 (four cases), then compiled
-# at batch 4 (each shape compiles first, about two minutes at 512), as far as the call allows.
+# at batch 4 (each shape compiles first, about two minutes at 512), as far as the call allows
+# while keeping about 150 s for the kernel profile of a 1024x1024 image with both patches.
 gnormpeer() {
-    prep
+    NOPACK=1 ensure
     mkdir -p "$OUT/cuda"
     local left=$(( PHASE_BUDGET - $(now) - 10 ))
     timeout "$left" $PY bench/peer_diffusers.py --sizes 512,1024 --steps 1,4 --batches 1 \
-        --compile --compile-batches 4 --runs 5 --deadline $(( left - 60 )) \
+        --compile --compile-batches 4 --runs 5 --deadline $(( left - 210 )) \
         --out "$OUT/cuda/cuda-peer-diffusers-gnorm-lease.json"
+    stage 150 ncu bench/ncu_profile.py --cli "$CLI" --model "$MODEL" --sizes 1024 --steps 1 \
+        --ncu "$(command -v ncu || echo /usr/local/cuda/bin/ncu)" \
+        --out "$OUT/cuda/cuda-ncu-profile-gnorm.json"
 }
 
 # The image-to-video test model's GPU peak against its estimate; TAESD under MPS at N = 2, 4.
