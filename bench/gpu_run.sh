@@ -42,6 +42,8 @@
 #                                   # the farm under MPS (N=4) at the peer table's four cases
 #   bash bench/gpu_run.sh gnormpeer # right after gnorm: diffusers eager b1, compiled b4; the
 #                                   # kernel profile at 1024 with both patches
+#   bash bench/gpu_run.sh im2colvec # build here; im2col with 1/2/4 values per store; the farm
+#                                   # under MPS (N=4) with the fastest; the peer's eager b1
 #
 # Carried: .whl/*.whl (our dependencies and pytest for python3.12), .carry/{redis-server,
 # stable_diffusion_cpp_python-0.4.7.tar.gz}; for the Vulkan stages also .gl/*.deb (Vulkan
@@ -807,6 +809,38 @@ gnormpeer() {
         --out "$OUT/cuda/cuda-ncu-profile-gnorm.json"
 }
 
+# The tiled im2col writing 1, 2 or 4 values per store (SDFARM_IM2COL_VEC; a fresh build, made
+# here: the sdist carried), side by side in one build; then, with the fastest at 1024, the
+# farm under MPS (N=4) at the four cases and the same lease's diffusers eager batch 1.
+im2colvec() {
+    NOPACK=1 ensure
+    mkdir -p "$OUT/cuda"
+    stage 80 im2colvec-options bench/build_options.py --model "$MODEL" --device CUDA0 \
+        --sizes 512,1024 --images 4 --variant "vec1=$CUDA_DIR:SDFARM_IM2COL_VEC=1" \
+        --variant "vec2=$CUDA_DIR:SDFARM_IM2COL_VEC=2" --variant "vec4=$CUDA_DIR:SDFARM_IM2COL_VEC=4" \
+        --variant "vec1-again=$CUDA_DIR:SDFARM_IM2COL_VEC=1" \
+        --variant "vec4-again=$CUDA_DIR:SDFARM_IM2COL_VEC=4" \
+        --out "$OUT/cuda/cuda-im2colvec-options.json"
+    local best
+    best=$($PY -c "
+import json
+rows = [r for r in json.load(open('$OUT/cuda/cuda-im2colvec-options.json'))['rows']
+        if r.get('size') == 1024]
+best = min(rows, key=lambda r: r['s_per_image'])
+print(best['env'].get('SDFARM_IM2COL_VEC', '4'))" 2>/dev/null || echo 4)
+    say "the farm with SDFARM_IM2COL_VEC=$best (the fastest at 1024)"
+    export SDFARM_IM2COL_VEC=$best
+    if mps_start; then
+        farm_cases vec-mps 4 2 60
+        mps_stop
+    fi
+    local left=$(( PHASE_BUDGET - $(now) - 5 ))
+    if [ "$left" -ge 40 ]; then
+        timeout "$left" $PY bench/peer_diffusers.py --sizes 512,1024 --steps 1,4 --batches 1 \
+            --runs 5 --deadline $(( left - 15 )) --out "$OUT/cuda/cuda-peer-diffusers-vec-lease.json"
+    fi
+}
+
 # The image-to-video test model's GPU peak against its estimate; TAESD under MPS at N = 2, 4.
 i2vmps() {
     PACK_LATER=1 ensure
@@ -854,7 +888,7 @@ peertwo() {
 case "$PHASE" in
     setup | bench1 | bench2) ;;
     cuda_recheck | cudafarm | overhead | speedbatch | gputests | cpu1024 | twogpu) ;;
-    features | tiling | peer | tilingpeer | decodefarm | lanes | extras | cudaopts | cudamore | vulkan | vkcheck | peerone | peertwo | peerthree | effprefetch | nextlease | chainlease | i2vmps | lookahead | profile | lookprofile | im2col2 | im2col4 | gnorm | gnormpeer) ;;
+    features | tiling | peer | tilingpeer | decodefarm | lanes | extras | cudaopts | cudamore | vulkan | vkcheck | peerone | peertwo | peerthree | effprefetch | nextlease | chainlease | i2vmps | lookahead | profile | lookprofile | im2col2 | im2col4 | gnorm | gnormpeer | im2colvec) ;;
     *) echo "usage: bash bench/gpu_run.sh setup|bench1|bench2|cuda_recheck|cudafarm|overhead|speedbatch|gputests|cpu1024|twogpu|features|tiling|peer|tilingpeer|decodefarm|lanes|extras|cudaopts|cudamore|vulkan|vkcheck|peerone|peertwo|peerthree|effprefetch|nextlease|chainlease|i2vmps|lookahead|profile" >&2; exit 2 ;;
 esac
 set -o pipefail

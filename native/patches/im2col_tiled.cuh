@@ -44,14 +44,56 @@ static inline size_t sdfarm_im2col_tile_bytes(int s0, int d0, int KW, int KH) {
     return (size_t) SDFARM_IM2COL_CT * KH * sdfarm_im2col_tile_width(s0, d0, KW) * sizeof(float);
 }
 
+// Threads of a block for a full tile's segment of `seg` values, V per store: as many as one
+// per value (rounded up to whole warps, at most 1024), so that each group of V values has
+// seg rounded up / groups threads ("lanes"), which share the tile's pixels.
+static inline int sdfarm_im2col_threads(int64_t seg, int V) {
+    const int64_t want = seg >= 1024 ? 1024 : (seg + 31) / 32 * 32;
+    const int64_t groups = seg / V;
+    const int64_t lanes = groups >= want ? 1 : want / groups;
+    return (int) (groups * lanes > 1024 ? 1024 : groups * lanes);
+}
+
+// V values to dst[0..V), converted to T as ggml converts one (round to nearest): on the GPU
+// as one 2*V- or 4*V-byte store (the launch checks the alignment), on the host one by one.
+template <typename T, int V>
+static __host__ __device__ __forceinline__ void sdfarm_im2col_store(T * to, const float * vals) {
+#ifdef __CUDA_ARCH__
+    if constexpr (V == 4 && sizeof(T) == 2) {
+        const half2 a = __floats2half2_rn(vals[0], vals[1]);
+        const half2 b = __floats2half2_rn(vals[2], vals[3]);
+        uint2 u;
+        u.x = *reinterpret_cast<const unsigned int *>(&a);
+        u.y = *reinterpret_cast<const unsigned int *>(&b);
+        *reinterpret_cast<uint2 *>(to) = u;
+    } else if constexpr (V == 2 && sizeof(T) == 2) {
+        *reinterpret_cast<half2 *>(to) = __floats2half2_rn(vals[0], vals[1]);
+    } else if constexpr (V == 4 && sizeof(T) == 4) {
+        *reinterpret_cast<float4 *>(to) = make_float4(vals[0], vals[1], vals[2], vals[3]);
+    } else if constexpr (V == 2 && sizeof(T) == 4) {
+        *reinterpret_cast<float2 *>(to) = make_float2(vals[0], vals[1]);
+    } else {
+        for (int v = 0; v < V; v++) {
+            to[v] = vals[v];
+        }
+    }
+#else
+    for (int v = 0; v < V; v++) {
+        to[v] = vals[v];
+    }
+#endif
+}
+
 // One block's work for output row iz (= n * OH + oh), pixels [bx*TW, bx*TW + TW) and channels
-// [by*CT, by*CT + CT); tid/nt: this thread and the block's thread count.
-template <typename T>
+// [by*CT, by*CT + CT), V values per store (V divides CT*KH*KW of every tile: the launch
+// checks); tid/nt: this thread and the block's thread count. `phases` 1 loads the tile, 2
+// writes dst, 3 both (the GPU; the host test loads once, then writes thread by thread).
+template <typename T, int V = 1>
 static __host__ __device__ __forceinline__ void sdfarm_im2col_tile(
         const float * x, T * dst, float * tile, int bx, int by, int64_t iz, int tid, int nt,
         int IW, int IH, int OW, int OH, int KW, int KH, int IC,
         int64_t IC_IH_IW, int64_t IH_IW, int SW,
-        int s0, int s1, int p0, int p1, int d0, int d1) {
+        int s0, int s1, int p0, int p1, int d0, int d1, int phases = 3) {
     const int ow0 = bx * SDFARM_IM2COL_TW;
     const int ic0 = by * SDFARM_IM2COL_CT;
     const int ct  = IC - ic0 < SDFARM_IM2COL_CT ? IC - ic0 : SDFARM_IM2COL_CT;
@@ -64,7 +106,7 @@ static __host__ __device__ __forceinline__ void sdfarm_im2col_tile(
 
     // The input: CT channels x KH rows x SW columns, read along the rows.
     const int rows = ct * KH;
-    for (int j = tid; j < rows * SW; j += nt) {
+    for (int j = tid; (phases & 1) && j < rows * SW; j += nt) {
         const int r   = j / SW;
         const int col = j - r * SW;
         const int c   = r / KH;
@@ -80,20 +122,33 @@ static __host__ __device__ __forceinline__ void sdfarm_im2col_tile(
 #ifdef __CUDA_ARCH__
     __syncthreads();
 #endif
-    // The output: each thread takes one (channel, kh, kw) of the tile's CT*KH*KW and writes it
-    // for every pixel; at each pixel the threads' writes are contiguous in dst. The divisions
-    // are per value of the segment, not per value written.
+    // The output: each thread takes V consecutive values of the tile's CT*KH*KW (a group) and
+    // writes them, as one V-wide store, for its share of the pixels (`lanes` threads per group
+    // take every lanes-th pixel); at each pixel the groups are contiguous in dst. The
+    // divisions are per value of the segment, not per value written.
     const int seg = ct * KH_KW;
+    const int groups = seg / V;
+    const int lanes = nt >= groups ? nt / groups : 1;
     const int64_t base = (iz * OW + ow0) * IC_KH_KW + (int64_t) ic0 * KH_KW;
-    for (int r = tid; r < seg; r += nt) {
-        const int c  = r / KH_KW;
-        const int k  = r - c * KH_KW;
-        const int kh = k / KW;
-        const int kw = k - kh * KW;
-        const float * from = tile + (c * KH + kh) * SW + kw * d0;
-        T * to = dst + base + r;
-        for (int p = 0; p < tw; p++) {
-            to[p * IC_KH_KW] = from[p * s0];
+    for (int q = tid; (phases & 2) && q < groups * lanes; q += nt) {
+        const int g = q % groups;
+        const int lane = q / groups;
+        int off[V];
+        for (int v = 0; v < V; v++) {
+            const int r  = g * V + v;
+            const int c  = r / KH_KW;
+            const int k  = r - c * KH_KW;
+            const int kh = k / KW;
+            const int kw = k - kh * KW;
+            off[v] = (c * KH + kh) * SW + kw * d0;
+        }
+        T * to = dst + base + g * V;
+        for (int p = lane; p < tw; p += lanes) {
+            float vals[V];
+            for (int v = 0; v < V; v++) {
+                vals[v] = tile[off[v] + p * s0];
+            }
+            sdfarm_im2col_store<T, V>(to + p * IC_KH_KW, vals);
         }
     }
 #ifdef __CUDA_ARCH__
@@ -102,7 +157,7 @@ static __host__ __device__ __forceinline__ void sdfarm_im2col_tile(
 }
 
 #ifdef __CUDACC__
-template <typename T>
+template <typename T, int V>
 static __global__ void sdfarm_im2col_tiled_kernel(
         const float * x, T * dst, int64_t N_OH,
         int IW, int IH, int OW, int OH, int KW, int KH, int IC,
@@ -110,7 +165,7 @@ static __global__ void sdfarm_im2col_tiled_kernel(
         int s0, int s1, int p0, int p1, int d0, int d1) {
     extern __shared__ float sdfarm_tile[];
     for (int64_t iz = blockIdx.z; iz < N_OH; iz += gridDim.z) {
-        sdfarm_im2col_tile<T>(x, dst, sdfarm_tile, blockIdx.x, blockIdx.y, iz, threadIdx.x,
+        sdfarm_im2col_tile<T, V>(x, dst, sdfarm_tile, blockIdx.x, blockIdx.y, iz, threadIdx.x,
                               blockDim.x, IW, IH, OW, OH, KW, KH, IC, IC_IH_IW, IH_IW, SW,
                               s0, s1, p0, p1, d0, d1);
     }
@@ -147,12 +202,33 @@ static bool sdfarm_im2col_tiled(
     if (grid.y > 65535) {
         return false;
     }
-    // One thread per value of a pixel's segment (rounded up to whole warps), at most 1024.
+    // V values per store: 4 or 2 where every tile's segment and dst's alignment allow it
+    // (SDFARM_IM2COL_VEC=1|2|4 asks for one, for side-by-side measurement; 1 is the kernel
+    // as it first landed).
+    static const int asked = [] {
+        const char * v = getenv("SDFARM_IM2COL_VEC");
+        return v != nullptr ? atoi(v) : 4;
+    }();
+    const int64_t IC_KH_KW = IC * KH * KW;
+    int V = asked >= 4 ? 4 : asked >= 2 ? 2 : 1;
+    while (V > 1 && (IC_KH_KW % V != 0 || (uintptr_t) dst % (V * sizeof(T)) != 0)) {
+        V /= 2;
+    }
     const int64_t seg = (IC < SDFARM_IM2COL_CT ? IC : SDFARM_IM2COL_CT) * KH * KW;
-    const int threads = seg >= 1024 ? 1024 : (int) ((seg + 31) / 32 * 32);
-    sdfarm_im2col_tiled_kernel<T><<<grid, threads, smem, stream>>>(
-        x, dst, N_OH, (int) IW, (int) IH, (int) OW, (int) OH, (int) KW, (int) KH, (int) IC,
-        IC_IH_IW, IH_IW, sdfarm_im2col_tile_width(s0, d0, (int) KW), s0, s1, p0, p1, d0, d1);
+    const int threads = sdfarm_im2col_threads(seg, V);
+    const int SW = sdfarm_im2col_tile_width(s0, d0, (int) KW);
+#define SDFARM_IM2COL_LAUNCH(VV)                                                               \
+    sdfarm_im2col_tiled_kernel<T, VV><<<grid, threads, smem, stream>>>(                        \
+        x, dst, N_OH, (int) IW, (int) IH, (int) OW, (int) OH, (int) KW, (int) KH, (int) IC,     \
+        IC_IH_IW, IH_IW, SW, s0, s1, p0, p1, d0, d1)
+    if (V == 4) {
+        SDFARM_IM2COL_LAUNCH(4);
+    } else if (V == 2) {
+        SDFARM_IM2COL_LAUNCH(2);
+    } else {
+        SDFARM_IM2COL_LAUNCH(1);
+    }
+#undef SDFARM_IM2COL_LAUNCH
     return true;
 }
 #endif

@@ -16,6 +16,7 @@ import pytest
 from sdfarm.native import sourcepatch
 
 HARNESS = r"""
+#include <algorithm>
 #include <cstdio>
 #include <vector>
 #include "im2col_tiled.cuh"
@@ -53,19 +54,42 @@ int main() {
                   s0, s1, p0, p1, d0, d1);
         const int SW = sdfarm_im2col_tile_width(s0, d0, KW);
         std::vector<float> tile(sdfarm_im2col_tile_bytes(s0, d0, KW, KH) / sizeof(float));
-        for (long iz = 0; iz < (long) N * OH; iz++)
-        for (int by = 0; by < (IC + SDFARM_IM2COL_CT - 1) / SDFARM_IM2COL_CT; by++)
-        for (int bx = 0; bx < (OW + SDFARM_IM2COL_TW - 1) / SDFARM_IM2COL_TW; bx++)
-            sdfarm_im2col_tile<float>(x.data(), got.data(), tile.data(), bx, by, iz, 0, 1,
-                                      IW, IH, OW, OH, KW, KH, IC, IC_IH_IW, IH_IW, SW,
-                                      s0, s1, p0, p1, d0, d1);
-        for (size_t i = 0; i < n; i++) {
-            if (want[i] != got[i]) {
-                printf("MISMATCH case %d at %zu: want %g got %g\n", cases, i, want[i], got[i]);
-                return 1;
+        const long seg = (long) (IC < SDFARM_IM2COL_CT ? IC : SDFARM_IM2COL_CT) * KH * KW;
+        for (int V = 1; V <= 4; V *= 2) {
+            if ((long) IC * KH * KW % V != 0) continue;  // the launch would not take this V
+            const int nt = sdfarm_im2col_threads(seg, V);
+            std::fill(got.begin(), got.end(), -2.0f);
+            for (long iz = 0; iz < (long) N * OH; iz++)
+            for (int by = 0; by < (IC + SDFARM_IM2COL_CT - 1) / SDFARM_IM2COL_CT; by++)
+            for (int bx = 0; bx < (OW + SDFARM_IM2COL_TW - 1) / SDFARM_IM2COL_TW; bx++) {
+                // the block's load (one thread does all of it), then each of its nt threads
+                sdfarm_im2col_tile<float>(x.data(), got.data(), tile.data(), bx, by, iz, 0, 1,
+                                          IW, IH, OW, OH, KW, KH, IC, IC_IH_IW, IH_IW, SW,
+                                          s0, s1, p0, p1, d0, d1, 1);
+                for (int tid = 0; tid < nt; tid++) {
+                    if (V == 4)
+                        sdfarm_im2col_tile<float, 4>(x.data(), got.data(), tile.data(), bx, by,
+                            iz, tid, nt, IW, IH, OW, OH, KW, KH, IC, IC_IH_IW, IH_IW, SW,
+                            s0, s1, p0, p1, d0, d1, 2);
+                    else if (V == 2)
+                        sdfarm_im2col_tile<float, 2>(x.data(), got.data(), tile.data(), bx, by,
+                            iz, tid, nt, IW, IH, OW, OH, KW, KH, IC, IC_IH_IW, IH_IW, SW,
+                            s0, s1, p0, p1, d0, d1, 2);
+                    else
+                        sdfarm_im2col_tile<float, 1>(x.data(), got.data(), tile.data(), bx, by,
+                            iz, tid, nt, IW, IH, OW, OH, KW, KH, IC, IC_IH_IW, IH_IW, SW,
+                            s0, s1, p0, p1, d0, d1, 2);
+                }
             }
+            for (size_t i = 0; i < n; i++) {
+                if (want[i] != got[i]) {
+                    printf("MISMATCH case %d V %d at %zu: want %g got %g\n", cases, V, i,
+                           want[i], got[i]);
+                    return 1;
+                }
+            }
+            printf("case %d V %d threads %d: %zu values equal\n", cases, V, nt, n);
         }
-        printf("case %d: %zu values equal (OH %d OW %d)\n", cases, n, OH, OW);
         cases++;
     }
     printf("ok %d\n", cases);
