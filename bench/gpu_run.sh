@@ -44,6 +44,7 @@
 #                                   # kernel profile at 1024 with both patches
 #   bash bench/gpu_run.sh im2colvec # build here; im2col with 1/2/4 values per store; the farm
 #                                   # under MPS (N=4) with the fastest; the peer's eager b1
+#   bash bench/gpu_run.sh vecmore   # build here; 500-job GPU efficiency; 1024 under MPS, N=4, 8
 #
 # Carried: .whl/*.whl (our dependencies and pytest for python3.12), .carry/{redis-server,
 # stable_diffusion_cpp_python-0.4.7.tar.gz}; for the Vulkan stages also .gl/*.deb (Vulkan
@@ -841,6 +842,20 @@ print(best['env'].get('SDFARM_IM2COL_VEC', '4'))" 2>/dev/null || echo 4)
     fi
 }
 
+# With the runtime as it now is (both patches, 4-value im2col; built here): one slot's GPU
+# efficiency over 500 jobs of 512x512 (images are about 45% shorter than when it was last
+# measured, so the same gap between jobs weighs more), then the farm at 1024 under MPS with
+# N = 4 and 8 and four times the jobs of the peer table's run.
+vecmore() {
+    NOPACK=1 ensure
+    mkdir -p "$OUT/cuda"
+    efficiency_by SDFARM_LOOKAHEAD patched 1
+    if mps_start; then
+        farm_cases vec-mps-n48 4,8 4 120 "1024:1:16"
+        mps_stop
+    fi
+}
+
 # The image-to-video test model's GPU peak against its estimate; TAESD under MPS at N = 2, 4.
 i2vmps() {
     PACK_LATER=1 ensure
@@ -888,7 +903,7 @@ peertwo() {
 case "$PHASE" in
     setup | bench1 | bench2) ;;
     cuda_recheck | cudafarm | overhead | speedbatch | gputests | cpu1024 | twogpu) ;;
-    features | tiling | peer | tilingpeer | decodefarm | lanes | extras | cudaopts | cudamore | vulkan | vkcheck | peerone | peertwo | peerthree | effprefetch | nextlease | chainlease | i2vmps | lookahead | profile | lookprofile | im2col2 | im2col4 | gnorm | gnormpeer | im2colvec) ;;
+    features | tiling | peer | tilingpeer | decodefarm | lanes | extras | cudaopts | cudamore | vulkan | vkcheck | peerone | peertwo | peerthree | effprefetch | nextlease | chainlease | i2vmps | lookahead | profile | lookprofile | im2col2 | im2col4 | gnorm | gnormpeer | im2colvec | vecmore) ;;
     *) echo "usage: bash bench/gpu_run.sh setup|bench1|bench2|cuda_recheck|cudafarm|overhead|speedbatch|gputests|cpu1024|twogpu|features|tiling|peer|tilingpeer|decodefarm|lanes|extras|cudaopts|cudamore|vulkan|vkcheck|peerone|peertwo|peerthree|effprefetch|nextlease|chainlease|i2vmps|lookahead|profile" >&2; exit 2 ;;
 esac
 set -o pipefail
