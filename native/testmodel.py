@@ -105,8 +105,10 @@ def _weights(part: str, specs: dict[str, tuple[int, ...]]) -> Iterator[tuple[str
 
 def _write_atomically(path: Path, write: Callable[[Path], object]) -> None:
     """Write through a hidden temporary file then rename, so a reader (or a crash) never
-    sees half a model file and a second run replaces the first cleanly."""
-    tmp = path.with_name(f".{path.name}.tmp")
+    sees half a model file and a second run replaces the first cleanly. The temporary name is
+    this process's own: two processes writing the same file at once (two test workers on a
+    fresh cache) must not rename each other's half-written file."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         write(tmp)
         # The safetensors writer creates files readable by their owner only; workers may run

@@ -31,6 +31,7 @@ generator's version, so tests and CI pay the write once.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import zlib
@@ -353,8 +354,9 @@ def _write_gguf(
 ) -> None:
     import gguf
 
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
+    from sdfarm.native.testmodel import _write_atomically
+
+    def write(tmp: Path) -> None:
         writer = gguf.GGUFWriter(str(tmp), arch="sdfarm-wan-test")
         writer.add_name(f"sdfarm random-weight {desc} test model, seed {SEED}/{part}")
         for name, arr, raw in _tensors(specs, part):  # shapes first
@@ -365,28 +367,21 @@ def _write_gguf(
         for _name, arr, _raw in _tensors(specs, part):
             writer.write_tensor_data(arr)
         writer.close()
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
+
+    _write_atomically(path, write)
 
 
 def write_vae(path: Path) -> None:
     from safetensors.numpy import save_file
 
+    from sdfarm.native.testmodel import _write_atomically
+
     tensors = {
         n: (w.astype(np.float16) if w.ndim >= 2 else w)
         for n, w in ((n, _float_weight("vae", n, s)) for n, s in vae_specs().items())
     }
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
-        save_file(tensors, str(tmp), metadata={"sdfarm": f"random-weight Wan 2.1 VAE, seed {SEED}"})
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
+    note = {"sdfarm": f"random-weight Wan 2.1 VAE, seed {SEED}"}
+    _write_atomically(path, lambda tmp: save_file(tensors, str(tmp), metadata=note))
 
 
 @dataclass(frozen=True)
@@ -481,12 +476,19 @@ def cache_dir() -> Path:
 def cached_wan_test_model(name: str = NAME) -> Path:
     """Test model `name`'s folder under the runtime's cache, written on first use (about
     1 GB for the first, 0.8 GB more for the VACE one and for the MoE pair's high-noise DiT,
-    the rest hard-linked; a second writer racing the first replaces whole files, never half
-    ones)."""
+    the rest hard-linked). Test workers starting together on a fresh cache take turns: one
+    writes, the others wait on a lock and find it done."""
     root = cache_dir()
     folder = root / name
     done = root / f".complete-{name}"
-    if not done.exists():
-        make_wan_test_model(root, name)
-        done.write_text(VERSION + "\n", encoding="utf-8")
+    if done.exists():
+        return folder
+    root.mkdir(parents=True, exist_ok=True)
+    # One writer at a time (test workers of one run start together on a fresh cache): the
+    # others wait for it and find the model done instead of writing it again.
+    with (root / f".lock-{name}").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not done.exists():
+            make_wan_test_model(root, name)
+            done.write_text(VERSION + "\n", encoding="utf-8")
     return folder

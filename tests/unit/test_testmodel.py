@@ -158,3 +158,39 @@ def test_idempotent(model_dirs: list[Path], tmp_path: Path) -> None:
     assert digests(make_test_model(model_dirs[0].parent)) == first  # overwrite in place
     assert digests(make_test_model(tmp_path)) == first  # and in a fresh folder
     assert not [p for d in model_dirs for p in d.iterdir() if p.name.startswith(".")]
+
+
+def _slow_write(path: str, marker: str) -> None:
+    """One process's atomic write of `path`: 20 chunks with a pause between, so that two
+    processes' writes overlap."""
+    import time
+
+    from sdfarm.native.testmodel import _write_atomically
+
+    def write(tmp: Path) -> None:
+        with tmp.open("w") as f:
+            for _ in range(20):
+                f.write(marker * 1000)
+                f.flush()
+                time.sleep(0.01)
+
+    _write_atomically(Path(path), write)
+
+
+def test_two_processes_writing_one_model_file_at_once_both_succeed(tmp_path: Path) -> None:
+    """Two test workers on a fresh cache once wrote one file through the same temporary name:
+    one renamed the other's half-written file away and the other failed (FileNotFoundError).
+    Each writer now has its own, and the file is one writer's whole output."""
+    import multiprocessing
+
+    target = tmp_path / "model.gguf"
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=_slow_write, args=(str(target), m)) for m in "ab"]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(30)
+    assert [p.exitcode for p in procs] == [0, 0]
+    text = target.read_text()
+    assert text in ("a" * 20000, "b" * 20000)
+    assert sorted(x.name for x in tmp_path.iterdir()) == ["model.gguf"]  # no temporary left
