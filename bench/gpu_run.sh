@@ -745,6 +745,33 @@ lookprofile() {
     profile
 }
 
+# options NAME BUDGET --variant ...: bench/build_options.py at 512 and 1024 (4 timed images per
+# variant) into $OUT/cuda/cuda-NAME-options.json.
+options() {
+    local name=$1 budget=$2; shift 2
+    stage "$budget" "$name-options" bench/build_options.py --model "$MODEL" --device CUDA0 \
+        --sizes 512,1024 --images 4 "$@" --out "$OUT/cuda/cuda-$name-options.json"
+}
+
+# mps_farm TAG BUDGET [CASES]: the farm with 4 engines under MPS at CASES (farm_cases's four
+# by default).
+mps_farm() {
+    if mps_start; then
+        farm_cases "$1" 4 2 "$2" "${3:-}"
+        mps_stop
+    fi
+}
+
+# peer_eager NAME STEPS: the peer's eager batch 1 at 512 and 1024 with the call's time left
+# (at least 40 s), into $OUT/cuda/cuda-peer-diffusers-NAME.json.
+peer_eager() {
+    local left=$(( PHASE_BUDGET - $(now) - 5 ))
+    if [ "$left" -ge 40 ]; then
+        timeout "$left" $PY bench/peer_diffusers.py --sizes 512,1024 --steps "$2" --batches 1 \
+            --runs 5 --deadline $(( left - 15 )) --out "$OUT/cuda/cuda-peer-diffusers-$1.json"
+    fi
+}
+
 # The tiled im2col (sdfarm.native.sourcepatch) against ggml's kernel in the same build
 # (SDFARM_IM2COL_TILED=0), then the farm under MPS (N=4) at 1024 and 512, 1 step, then the
 # peer's eager batch 1. (The lease of cuda-im2col2-options.json carried a build that also held
@@ -752,29 +779,18 @@ lookprofile() {
 im2col2() {
     NOPACK=1 ensure
     mkdir -p "$OUT/cuda"
-    stage 60 im2col-options bench/build_options.py --model "$MODEL" --device CUDA0 \
-        --sizes 512,1024 --images 4 --variant "ggml=$CUDA_DIR:SDFARM_IM2COL_TILED=0" \
+    options im2col2 60 --variant "ggml=$CUDA_DIR:SDFARM_IM2COL_TILED=0" \
         --variant "tiled=$CUDA_DIR" --variant "ggml-again=$CUDA_DIR:SDFARM_IM2COL_TILED=0" \
-        --variant "tiled-again=$CUDA_DIR" --out "$OUT/cuda/cuda-im2col2-options.json"
-    if mps_start; then
-        farm_cases tiled2-mps 4 2 70 "1024:1:16 512:1:40"
-        mps_stop
-    fi
-    local left=$(( PHASE_BUDGET - $(now) - 5 ))
-    if [ "$left" -ge 40 ]; then
-        timeout "$left" $PY bench/peer_diffusers.py --sizes 512,1024 --steps 1 --batches 1 \
-            --runs 5 --deadline $(( left - 10 )) --out "$OUT/cuda/cuda-peer-diffusers-im2col2-lease.json"
-    fi
+        --variant "tiled-again=$CUDA_DIR"
+    mps_farm tiled2-mps 70 "1024:1:16 512:1:40"
+    peer_eager im2col2-lease 1
 }
 
 # The 4-step cases of the peer table under MPS (N=4) with the carried tiled-im2col runtime.
 im2col4() {
     NOPACK=1 ensure
     mkdir -p "$OUT/cuda"
-    if mps_start; then
-        farm_cases tiled2-mps 4 2 70 "1024:4:12 512:4:30"
-        mps_stop
-    fi
+    mps_farm tiled2-mps 70 "1024:4:12 512:4:30"
 }
 
 # The split group norm with its affine fused (sdfarm.native.sourcepatch) against ggml's group
@@ -784,15 +800,10 @@ im2col4() {
 gnorm() {
     NOPACK=1 ensure
     mkdir -p "$OUT/cuda"
-    stage 100 gnorm-options bench/build_options.py --model "$MODEL" --device CUDA0 \
-        --sizes 512,1024 --images 4 --variant "ggml-gn=$CUDA_DIR:SDFARM_GROUPNORM_SPLIT=0" \
+    options gnorm 100 --variant "ggml-gn=$CUDA_DIR:SDFARM_GROUPNORM_SPLIT=0" \
         --variant "split=$CUDA_DIR" --variant "split-unfused=$CUDA_DIR:GGML_CUDA_DISABLE_FUSION=1" \
-        --variant "ggml-gn-again=$CUDA_DIR:SDFARM_GROUPNORM_SPLIT=0" --variant "split-again=$CUDA_DIR" \
-        --out "$OUT/cuda/cuda-gnorm-options.json"
-    if mps_start; then
-        farm_cases gnorm-mps 4 2 75
-        mps_stop
-    fi
+        --variant "ggml-gn-again=$CUDA_DIR:SDFARM_GROUPNORM_SPLIT=0" --variant "split-again=$CUDA_DIR"
+    mps_farm gnorm-mps 75
 }
 
 # The peer of the same lease as gnorm: diffusers eager at batch 1 (four cases), then compiled
@@ -816,12 +827,10 @@ gnormpeer() {
 im2colvec() {
     NOPACK=1 ensure
     mkdir -p "$OUT/cuda"
-    stage 80 im2colvec-options bench/build_options.py --model "$MODEL" --device CUDA0 \
-        --sizes 512,1024 --images 4 --variant "vec1=$CUDA_DIR:SDFARM_IM2COL_VEC=1" \
+    options im2colvec 80 --variant "vec1=$CUDA_DIR:SDFARM_IM2COL_VEC=1" \
         --variant "vec2=$CUDA_DIR:SDFARM_IM2COL_VEC=2" --variant "vec4=$CUDA_DIR:SDFARM_IM2COL_VEC=4" \
         --variant "vec1-again=$CUDA_DIR:SDFARM_IM2COL_VEC=1" \
-        --variant "vec4-again=$CUDA_DIR:SDFARM_IM2COL_VEC=4" \
-        --out "$OUT/cuda/cuda-im2colvec-options.json"
+        --variant "vec4-again=$CUDA_DIR:SDFARM_IM2COL_VEC=4"
     local best
     best=$($PY -c "
 import json
@@ -831,15 +840,8 @@ best = min(rows, key=lambda r: r['s_per_image'])
 print(best['env'].get('SDFARM_IM2COL_VEC', '4'))" 2>/dev/null || echo 4)
     say "the farm with SDFARM_IM2COL_VEC=$best (the fastest at 1024)"
     export SDFARM_IM2COL_VEC=$best
-    if mps_start; then
-        farm_cases vec-mps 4 2 60
-        mps_stop
-    fi
-    local left=$(( PHASE_BUDGET - $(now) - 5 ))
-    if [ "$left" -ge 40 ]; then
-        timeout "$left" $PY bench/peer_diffusers.py --sizes 512,1024 --steps 1,4 --batches 1 \
-            --runs 5 --deadline $(( left - 15 )) --out "$OUT/cuda/cuda-peer-diffusers-vec-lease.json"
-    fi
+    mps_farm vec-mps 60
+    peer_eager vec-lease 1,4
 }
 
 # With the runtime as it now is (both patches, 4-value im2col; built here): one slot's GPU
