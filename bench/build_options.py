@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -129,6 +130,7 @@ def main() -> int:
                     keep / f"{first}-{size}.png", keep / f"{r['variant']}-{size}.png"
                 )
                 print(f"{r['variant']:14} {r['size']:>5}  against {first}: {r['against_first']}")
+    shutil.rmtree(keep, ignore_errors=True)
     doc = {"what": __doc__.splitlines()[0], "model": Path(args.model).name,
            "device": args.device, "images": args.images, "rows": rows}  # fmt: skip
     if args.out:

@@ -5,9 +5,9 @@ sha256-checked `stable-diffusion-cpp-python==0.4.7` sdist (which vendors stable-
 master-596-90e87bc), or from a user's checkout of that exact commit. The build lands in
 `<cache>/runtime/<key>/`, where the key hashes (source, backend, compiler, cmake flags), so a
 second build is instant; the shim, which is bound to the Python version, gets its own key on
-top of that. Our source patches (`sdfarm.native.sourcepatch`: today a faster CUDA im2col) are
-applied to a copy of the source for the backends they touch and join the key; `--no-patches`
-builds the source as it is.
+top of that. Our source patches (`sdfarm.native.sourcepatch`: today a faster CUDA im2col and
+group norm) are applied to a copy of the source for the backends they touch and join the key;
+`--no-patches` builds the source as it is.
 
     python -m sdfarm.native.build [--backend cpu|vulkan|cuda|metal] [--source DIR] [--no-patches]
 """

@@ -54,36 +54,6 @@ class Patch:
 
 
 IM2COL = "ggml/src/ggml-cuda/im2col.cu"
-
-PATCHES: tuple[Patch, ...] = (
-    Patch(
-        name="ggml-cuda-im2col-tiled",
-        backends=frozenset({"cuda"}),
-        adds={"ggml/src/ggml-cuda/im2col_tiled.cuh": "im2col_tiled.cuh"},
-        edits=(
-            Edit(
-                IM2COL,
-                '#include "im2col.cuh"\n',
-                '#include "im2col.cuh"\n#include "im2col_tiled.cuh"\n',
-            ),
-            Edit(
-                IM2COL,
-                "    const int64_t IC_KH_KW = IC * KH * KW;\n"
-                "    const int64_t num_blocks = (IC_KH_KW + CUDA_IM2COL_BLOCK_SIZE - 1)"
-                " / CUDA_IM2COL_BLOCK_SIZE;\n",
-                "    if (sdfarm_im2col_tiled<T>(x, dst, IW, IH, OW, OH, KW, KH, IC, N, IC_IH_IW,"
-                " IH_IW, s0, s1, p0, p1, d0, d1, stream)) {\n"
-                "        return;\n"
-                "    }\n"
-                "    const int64_t IC_KH_KW = IC * KH * KW;\n"
-                "    const int64_t num_blocks = (IC_KH_KW + CUDA_IM2COL_BLOCK_SIZE - 1)"
-                " / CUDA_IM2COL_BLOCK_SIZE;\n",
-            ),
-        ),
-    ),
-)
-
-
 NORM = "ggml/src/ggml-cuda/norm.cu"
 NORM_H = "ggml/src/ggml-cuda/norm.cuh"
 GRAPH = "ggml/src/ggml-cuda/ggml-cuda.cu"
@@ -92,6 +62,11 @@ GRAPH = "ggml/src/ggml-cuda/ggml-cuda.cu"
 def after(path: str, anchor: str, text: str) -> Edit:
     """Insert `text` right after `anchor`, which must occur exactly once in `path`."""
     return Edit(path, anchor, anchor + text)
+
+
+def before(path: str, anchor: str, text: str) -> Edit:
+    """Insert `text` right before `anchor`, which must occur exactly once in `path`."""
+    return Edit(path, anchor, text + anchor)
 
 
 # The fused group norm is tried first in the graph loop's fusion block (GGML_CUDA_DISABLE_FUSION
@@ -107,7 +82,25 @@ GN_FUSION = (
     "                    }\n"
 )
 
-PATCHES += (
+PATCHES: tuple[Patch, ...] = (
+    Patch(
+        name="ggml-cuda-im2col-tiled",
+        backends=frozenset({"cuda"}),
+        adds={"ggml/src/ggml-cuda/im2col_tiled.cuh": "im2col_tiled.cuh"},
+        edits=(
+            after(IM2COL, '#include "im2col.cuh"\n', '#include "im2col_tiled.cuh"\n'),
+            before(
+                IM2COL,
+                "    const int64_t IC_KH_KW = IC * KH * KW;\n"
+                "    const int64_t num_blocks = (IC_KH_KW + CUDA_IM2COL_BLOCK_SIZE - 1)"
+                " / CUDA_IM2COL_BLOCK_SIZE;\n",
+                "    if (sdfarm_im2col_tiled<T>(x, dst, IW, IH, OW, OH, KW, KH, IC, N, IC_IH_IW,"
+                " IH_IW, s0, s1, p0, p1, d0, d1, stream)) {\n"
+                "        return;\n"
+                "    }\n",
+            ),
+        ),
+    ),
     Patch(
         name="ggml-cuda-group-norm-split",
         backends=frozenset({"cuda"}),
