@@ -4,11 +4,13 @@ size and 1 step queued at once, after two warm-up jobs.
 
 Busy time is what the worker records for each job: `timings.generate_s`, the engine's time
 around the runtime's generate_image call (sdfarm.native.engine). The makespan is the
-worker's: from the first batch job's claim (`started` of its record) to the last one's end
-(`ended`, written after its PNG). Efficiency = sum(generate_s) / makespan. Where the rest
-goes, per job from the same records: `worker_pre_s` (run start -> native call: the claim,
-the spec, validation, inputs, the engine request) and the time from one job's generate end
-to the next job's claim (the result handed to the uploader, Celery's ack and next message);
+worker's: from the first batch job's run start (`timings.begun_at`, the worker's clock; the
+record's `started` for an older worker) to the last one's end (`ended`, written after its
+PNG). Efficiency = sum(generate_s) / makespan. Where the rest goes, per job from the same
+records: `worker_pre_s` (run start -> native call: the claim unless the job was claimed
+ahead, the spec, validation, inputs, the engine request) and the time from one job's
+generate end to the next job's run start (the result handed to the uploader, the next
+message, Celery's ack and delivery when the chain ends);
 PNG encoding (`encode_s`) runs on the uploader thread beside the next generation.
 
     python bench/farm_efficiency.py --model DIR [--device CUDA0] [--jobs 500] [--size 512] \
@@ -88,8 +90,8 @@ def analyse(rows: list[dict[str, Any]]) -> dict[str, Any]:
         "gap": {
             "total_s": round(span - sum(gen), 4),
             "idle_between_generates": dist(idle),
-            "worker_pre (claim, spec, validate, inputs, engine request)": dist(pre),
-            "generate end -> next claim (hand-off to uploader, Celery ack, next message)": dist(
+            "worker_pre (run start -> native call: claim unless ahead, checks, engine)": dist(pre),
+            "generate end -> next run start (hand-off to uploader, the next message)": dist(
                 between
             ),
             "last job: generate end -> ended (its PNG and finish)": round(tail, 4),
@@ -201,7 +203,8 @@ def main() -> int:
                     {
                         "job": job.id,
                         "created": float(rec["created"]),
-                        "started": float(rec["started"]),
+                        # the run's start (a job claimed ahead writes `started` after it)
+                        "started": float(t.get("begun_at") or rec["started"]),
                         "ended": float(rec["ended"]),
                         "generate_s": float(t["generate_s"]),
                         "worker_pre_s": float(t.get("worker_pre_s") or 0.0),
@@ -209,6 +212,7 @@ def main() -> int:
                         "queued_s": t.get("queued_s"),
                         "chained": bool(res.metadata.get("chained")),
                         "ahead": bool(res.metadata.get("ahead")),
+                        "claimed_ahead": bool(res.metadata.get("claimed_ahead")),
                     }
                 )
             doc["client"] = {
@@ -224,7 +228,11 @@ def main() -> int:
             # how the jobs reached the engine (sdfarm.worker.chain): chained, prepared ahead
             doc["jobs_chained"] = sum(r["chained"] for r in rows)
             doc["jobs_prepared_ahead"] = sum(r["ahead"] for r in rows)
-            sdcli.say(f"chained {doc['jobs_chained']}, prepared ahead {doc['jobs_prepared_ahead']}")
+            doc["jobs_claimed_ahead"] = sum(r["claimed_ahead"] for r in rows)
+            sdcli.say(
+                f"chained {doc['jobs_chained']}, claimed ahead {doc['jobs_claimed_ahead']}, "
+                f"prepared ahead {doc['jobs_prepared_ahead']}"
+            )
             doc["per_job"] = [
                 {k: (round(v, 5) if isinstance(v, float) else v) for k, v in r.items()}
                 for r in rows

@@ -45,6 +45,9 @@
 #   bash bench/gpu_run.sh im2colvec # build here; im2col with 1/2/4 values per store; the farm
 #                                   # under MPS (N=4) with the fastest; the peer's eager b1
 #   bash bench/gpu_run.sh vecmore   # build here; 500-job GPU efficiency; 1024 under MPS, N=4, 8
+#   bash bench/gpu_run.sh effahead  # build here; 500-job GPU efficiency, lookahead on/off/on
+#   bash bench/gpu_run.sh cublas32  # after effahead: cuBLAS f32 output side by side; the farm
+#                                   # under MPS (N=4) with the faster; the peer's eager b1
 #
 # Carried: .whl/*.whl (our dependencies and pytest for python3.12), .carry/{redis-server,
 # stable_diffusion_cpp_python-0.4.7.tar.gz}; for the Vulkan stages also .gl/*.deb (Vulkan
@@ -858,6 +861,47 @@ vecmore() {
     fi
 }
 
+# The next job claimed ahead, its engine checks done ahead, its result built on the uploader
+# thread and the helper threads held off while the job thread starts a native call
+# (sdfarm.worker.chain, sdfarm.native.gate; built here: the sdist carried): one slot's GPU
+# efficiency over 500 jobs of 512x512 with the lookahead on, off, on again.
+effahead() {
+    NOPACK=1 ensure
+    mkdir -p "$OUT/cuda"
+    efficiency_by SDFARM_LOOKAHEAD ahead 1 0
+    ( export SDFARM_LOOKAHEAD=1
+      stage 90 efficiency-ahead-again bench/farm_efficiency.py --model "$MODEL" --device CUDA0 \
+          --jobs 500 --size 512 --log-dir "$FARM_LOGS/ahead-again" \
+          --out "$OUT/cuda/cuda-efficiency-500-ahead-again1.json" )
+}
+
+# Right after effahead (the same build): cuBLAS writing f32 straight from its f16 GEMMs
+# (GGML_CUDA_FORCE_CUBLAS_COMPUTE_32F=1: no f16 -> f32 conversion kernel after each) against
+# the default, side by side; the farm under MPS (N=4) with the faster at 1024; the same
+# lease's diffusers eager batch 1.
+cublas32() {
+    NOPACK=1 ensure
+    mkdir -p "$OUT/cuda"
+    options cublas32 90 --variant "f16out=$CUDA_DIR" \
+        --variant "f32out=$CUDA_DIR:GGML_CUDA_FORCE_CUBLAS_COMPUTE_32F=1" \
+        --variant "f16out-again=$CUDA_DIR" \
+        --variant "f32out-again=$CUDA_DIR:GGML_CUDA_FORCE_CUBLAS_COMPUTE_32F=1"
+    local faster
+    faster=$($PY -c "
+import json, statistics
+rows = [r for r in json.load(open('$OUT/cuda/cuda-cublas32-options.json'))['rows']
+        if r.get('size') == 1024]
+f32 = [r['s_per_image'] for r in rows if r['env'].get('GGML_CUDA_FORCE_CUBLAS_COMPUTE_32F')]
+f16 = [r['s_per_image'] for r in rows if not r['env'].get('GGML_CUDA_FORCE_CUBLAS_COMPUTE_32F')]
+print(1 if statistics.median(f32) < statistics.median(f16) else 0)" 2>/dev/null || echo 0)
+    if [ "$faster" = 1 ]; then
+        say "the farm with GGML_CUDA_FORCE_CUBLAS_COMPUTE_32F=1 (faster at 1024)"
+        export GGML_CUDA_FORCE_CUBLAS_COMPUTE_32F=1
+    fi
+    mps_farm "cublas32-$faster-mps" 60
+    peer_eager cublas32-lease 1,4
+}
+
 # The image-to-video test model's GPU peak against its estimate; TAESD under MPS at N = 2, 4.
 i2vmps() {
     PACK_LATER=1 ensure
@@ -905,7 +949,7 @@ peertwo() {
 case "$PHASE" in
     setup | bench1 | bench2) ;;
     cuda_recheck | cudafarm | overhead | speedbatch | gputests | cpu1024 | twogpu) ;;
-    features | tiling | peer | tilingpeer | decodefarm | lanes | extras | cudaopts | cudamore | vulkan | vkcheck | peerone | peertwo | peerthree | effprefetch | nextlease | chainlease | i2vmps | lookahead | profile | lookprofile | im2col2 | im2col4 | gnorm | gnormpeer | im2colvec | vecmore) ;;
+    features | tiling | peer | tilingpeer | decodefarm | lanes | extras | cudaopts | cudamore | vulkan | vkcheck | peerone | peertwo | peerthree | effprefetch | nextlease | chainlease | i2vmps | lookahead | profile | lookprofile | im2col2 | im2col4 | gnorm | gnormpeer | im2colvec | vecmore | effahead | cublas32) ;;
     *) echo "usage: bash bench/gpu_run.sh setup|bench1|bench2|cuda_recheck|cudafarm|overhead|speedbatch|gputests|cpu1024|twogpu|features|tiling|peer|tilingpeer|decodefarm|lanes|extras|cudaopts|cudamore|vulkan|vkcheck|peerone|peertwo|peerthree|effprefetch|nextlease|chainlease|i2vmps|lookahead|profile" >&2; exit 2 ;;
 esac
 set -o pipefail

@@ -10,6 +10,7 @@ costs the process, so the worker runs engines in a process that owns nothing els
 from __future__ import annotations
 
 import os
+import queue
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -54,6 +55,7 @@ from sdfarm.native.estimate import (
 )
 from sdfarm.native.filehash import lora_hash, model_hash
 from sdfarm.native.fitplan import FitPlan, plan_fit
+from sdfarm.native.gate import GATE
 from sdfarm.native.loras import LoraFile
 from sdfarm.native.model import Model
 from sdfarm.native.params import STEP_CACHES, GenerationParams, validate
@@ -104,6 +106,45 @@ class GenerationResult:
     @property
     def image(self) -> Image.Image:
         return self.images[0]
+
+
+@dataclass(frozen=True)
+class PreparedGeneration:
+    """A generation checked and ready for its native call (`Engine.prepare`): everything the
+    call needs, worked out before it. A worker prepares the next job while the current one
+    generates and starts it the moment the runtime is free (sdfarm.worker.chain); so a
+    preparation holds nothing in the engine's own state, and never changes a call in
+    progress."""
+
+    params: GenerationParams  # validated
+    canvas: Canvas
+    tiling: TilingPlan
+    estimate: int
+    lora_paths: Mapping[str, Path]
+    lora_hashes: Mapping[str, str]
+    hires_path: Path | None
+    log: LogConfig | None  # this call's log settings, when they override the engine's
+    scrub: logs.Scrubber
+    progress: Callable[[int, int, float], None] | None = None
+    preview: Callable[[Preview], None] | None = None
+
+
+@dataclass
+class NativeOutput:
+    """What one generation's native call returned (`Engine.run_prepared`), before its result
+    is built (`finish`): the worker builds it on another thread, beside the next native
+    call."""
+
+    engine: Engine
+    prepared: PreparedGeneration
+    images: list[Image.Image]  # as the runtime drew them, uncropped
+    raw: list[logs.LogRecord]  # every record of the call (its warnings come from here)
+    records: list[logs.LogRecord]  # the ones the caller sees
+    notes: list[str]  # what was done to the input images
+    seconds: float
+
+    def finish(self) -> GenerationResult:
+        return self.engine._result(self)
 
 
 @dataclass(frozen=True)
@@ -248,9 +289,8 @@ class Engine:
         self._poisoned: str | None = None
         self._pending: list[logs.LogRecord] = []
         self.native_calls = 0  # generate/load calls into the runtime (tests assert on it)
+        self._watcher: queue.SimpleQueue[tuple[Callable[..., None], threading.Event]] | None = None
         self.last_call: dict[str, Any] = {}  # the last generation's parameters, read back
-        self._lora_paths: dict[str, Path] = {}
-        self._hires_path: Path | None = None
         self.model_hash: str | None = None  # set once the runtime has loaded the model
 
         figs, planned = host_device(figures, backend, device, pinned)
@@ -402,9 +442,14 @@ class Engine:
         tiled: bool = False,
         preview: Callable[[Preview], None] | None = None,
         canvas: Canvas | None = None,
+        lora_paths: Mapping[str, Path] | None = None,
+        hires_path: Path | None = None,
+        notes: list[str] | None = None,
     ) -> list[Image.Image]:
         """Call the runtime for `params` at the sizes it draws (`canvas`, by default the job's
-        own sizes): the images as it returns them, uncropped."""
+        own sizes): the images as it returns them, uncropped. `lora_paths` and `hires_path`
+        are the checked files of its LoRAs and hires upscaler; what was done to its input
+        images is appended to `notes`."""
         ffi, lib = self._ffi, self._lib
         if canvas is None:
             canvas = Canvas.of((params.width, params.height), params.final_size, 1)
@@ -420,7 +465,7 @@ class Engine:
         g.clip_skip = params.clip_skip
         g.sample_params.sample_steps = params.steps
         g.sample_params.guidance.txt_cfg = params.cfg_scale
-        keep = self._set_images(g, params, canvas)
+        keep = self._set_images(g, params, canvas, [] if notes is None else notes)
         g.cache.mode = STEP_CACHES.index(params.step_cache)  # the runtime's enum order
         if params.hires_scale > 1.0:
             g.hires.enabled = True
@@ -429,13 +474,13 @@ class Engine:
             g.hires.target_width, g.hires.target_height = canvas.final_drawn
             g.hires.steps = params.hires_steps
             g.hires.denoising_strength = params.hires_strength
-            if self._hires_path is not None:
-                path = self._ffi.new("char[]", str(self._hires_path).encode())
+            if hires_path is not None:
+                path = self._ffi.new("char[]", str(hires_path).encode())
                 keep.append(path)
                 g.hires.upscaler = lib.SD_HIRES_UPSCALER_MODEL
                 g.hires.model_path = path
         g.hires.upscale_tile_size = params.hires_tile_size
-        keep += self._set_loras(g, params)
+        keep += self._set_loras(g, params, lora_paths or {})
         if tiled:
             # A tile of VAE_TILE_LATENT latent cells a side, the runtime's own overlap.
             g.vae_tiling_params.enabled = True
@@ -456,15 +501,19 @@ class Engine:
         assert keep is not None  # the input pixels live until the call returns
         done = threading.Event()
         watcher = None
-        if progress is not None or preview is not None:
+        if preview is not None:  # its last preview must be handed over before the result
             watcher = threading.Thread(
                 target=self._watch_progress, args=(progress, preview, done), daemon=True
             )
             watcher.start()
+        elif progress is not None:  # the engine's one watcher thread: no thread start here
+            self._progress_watcher().put((progress, done))
         self.native_calls += 1
         try:
+            GATE.open()
             out = lib.generate_image(self._ctx, g)
         finally:
+            GATE.close()
             done.set()
             if watcher is not None:
                 watcher.join()
@@ -489,20 +538,21 @@ class Engine:
             lib.free(out)
         return images
 
-    def _set_images(self, g: Any, params: GenerationParams, canvas: Canvas) -> list[Any]:
+    def _set_images(
+        self, g: Any, params: GenerationParams, canvas: Canvas, notes: list[str]
+    ) -> list[Any]:
         """Put the job's input images into the call as the runtime reads them (8-bit RGB, a
         mask single-channel, init and mask at the job's size, padded to the size the runtime
         draws: sdfarm.native.drawsize); returns the buffers, which must live until the call
-        returns. A resize is noted for the job's warnings."""
+        returns. A resize is noted in `notes`, for the job's warnings."""
         ffi = self._ffi
         keep: list[Any] = []
-        self._input_notes = []
 
         def image(data: bytes, size: tuple[int, int] | None, mask: bool, what: str) -> Any:
             w, h = size or _image_size(data)
             raw, resized = images.pixels(data, w, h, mask)
             if resized:
-                self._input_notes.append(f"{what} was resized to {w}x{h}, the job's size")
+                notes.append(f"{what} was resized to {w}x{h}, the job's size")
             if size is not None:
                 raw = canvas.pad(raw, 1 if mask else 3, mask)
                 w, h = canvas.drawn
@@ -527,15 +577,15 @@ class Engine:
             g.ref_images, g.ref_images_count = refs, len(params.ref_images)
         return keep
 
-    def _set_loras(self, g: Any, params: GenerationParams) -> list[Any]:
-        """Put the job's LoRAs into the call (their files resolved by `generate`)."""
+    def _set_loras(self, g: Any, params: GenerationParams, paths: Mapping[str, Path]) -> list[Any]:
+        """Put the job's LoRAs into the call (their files resolved by `prepare`)."""
         if not params.loras:
             return []
         ffi = self._ffi
         arr = ffi.new("sd_lora_t[]", len(params.loras))
         keep: list[Any] = [arr]
         for i, (name, weight) in enumerate(params.loras):
-            path = ffi.new("char[]", str(self._lora_paths[name]).encode())
+            path = ffi.new("char[]", str(paths[name]).encode())
             keep.append(path)
             arr[i] = {"is_high_noise": False, "multiplier": weight, "path": path}
         g.loras, g.lora_count = arr, len(params.loras)
@@ -590,6 +640,23 @@ class Engine:
             "preview_mode": self._previews.config()[0],
         }
 
+    def _progress_watcher(self) -> queue.SimpleQueue[tuple[Callable[..., None], threading.Event]]:
+        """The queue of this engine's progress watcher: one thread for the engine's life,
+        which watches each call's progress in turn (a thread started and joined per call
+        cost its time on the path of every image)."""
+        if self._watcher is None:
+            calls: queue.SimpleQueue[tuple[Callable[..., None], threading.Event]]
+            calls = queue.SimpleQueue()
+
+            def watch() -> None:
+                while True:
+                    progress, done = calls.get()
+                    self._watch_progress(progress, None, done)
+
+            threading.Thread(target=watch, name="sdfarm-progress", daemon=True).start()
+            self._watcher = calls
+        return self._watcher
+
     def _watch_progress(
         self,
         progress: Callable[[int, int, float], None] | None,
@@ -609,6 +676,8 @@ class Engine:
         last = -1
         while True:
             finished = done.wait(0.05)
+            if finished and preview is None:
+                return  # nothing more to hand over
             if progress is not None:
                 lib.sdf_progress_get(step, steps, t, n)
                 if n[0] != last and steps[0] > 0 and not finished:
@@ -636,7 +705,8 @@ class Engine:
         upscalers: Mapping[str, UpscalerFile] | None = None,
         **kwargs: Any,
     ) -> GenerationResult:
-        """Generate `params` (or keyword arguments of GenerationParams). `log` overrides the
+        """Generate `params` (or keyword arguments of GenerationParams): `prepare`, then
+        `run_prepared`, then the result. `log` overrides the
         engine's log settings for this call (a farm's jobs each choose their level and whether
         prompts stay in records). `estimate` is the job's estimate as the scheduler placed it
         (sdfarm.native.estimate); without it the engine makes it from its own facts. `loras`
@@ -654,11 +724,32 @@ class Engine:
             params = GenerationParams(**kwargs)
         elif kwargs:
             raise TypeError("pass GenerationParams or keyword arguments, not both")
+        prepared = self.prepare(
+            params, progress=progress, preview=preview, log=log, estimate=estimate,
+            loras=loras, tiling=tiling, upscalers=upscalers,
+        )  # fmt: skip
+        return self.run_prepared(prepared).finish()
+
+    def prepare(
+        self,
+        params: GenerationParams,
+        *,
+        progress: Callable[[int, int, float], None] | None = None,
+        preview: Callable[[Preview], None] | None = None,
+        log: LogConfig | None = None,
+        estimate: int | None = None,
+        loras: Mapping[str, LoraFile] | None = None,
+        tiling: TilingPlan | None = None,
+        upscalers: Mapping[str, UpscalerFile] | None = None,
+    ) -> PreparedGeneration:
+        """Every check of `generate` (its arguments as there), before any native call and
+        without touching the runtime: the call, ready to run. Safe on another thread while
+        this engine generates (it reads the engine, never changes it)."""
         self._check_usable()
         params = validate(params)
         refuse_video_model(self.model)
         self._check_decoder(params)
-        hires_bytes = self._hires_upscaler(params, upscalers or {})
+        hires_bytes, hires_path = self._hires_upscaler(params, upscalers or {})
         if params.init_image is not None and not self.model.can_encode_with(self.decoder):
             raise InvalidParameterError(
                 "init_image",
@@ -678,7 +769,7 @@ class Engine:
         missing = [name for name, _ in params.loras if name not in files]
         if missing:
             raise InvalidParameterError("loras", f"unknown LoRA {missing[0]!r}")
-        self._lora_paths = {name: files[name].path for name, _ in params.loras}
+        lora_paths = {name: files[name].path for name, _ in params.loras}
         lora_hashes = {
             name: lora_hash(files[name].path, {"sshs_model_hash": files[name].stored_hash})
             for name, _ in params.loras
@@ -710,20 +801,36 @@ class Engine:
                 self._verdict.figures,
             )
         cfg = log or self._log
-        lora_labels = {str(path): f"<lora {name} file>" for name, path in self._lora_paths.items()}
-        if self._hires_path is not None:
-            lora_labels[str(self._hires_path)] = f"<upscaler {params.hires_upscaler} file>"
+        lora_labels = {str(path): f"<lora {name} file>" for name, path in lora_paths.items()}
+        if hires_path is not None:
+            lora_labels[str(hires_path)] = f"<upscaler {params.hires_upscaler} file>"
         scrub = logs.Scrubber(
             {**self._path_roles, **lora_labels},
             (params.prompt, params.negative_prompt),
             log_prompts=cfg.log_prompts,
         )
+        return PreparedGeneration(
+            params, canvas, tiling, size_estimate, lora_paths, lora_hashes, hires_path, log,
+            scrub, progress, preview,
+        )  # fmt: skip
+
+    def run_prepared(self, prepared: PreparedGeneration) -> NativeOutput:
+        """The native call of a prepared generation, and nothing else that can wait: what it
+        returned, whose result `NativeOutput.finish` builds. GenerationError (quoting the
+        runtime's error records) when it made no image."""
+        self._check_usable()
+        p, log = prepared, prepared.log
+        cfg = log or self._log
+        notes: list[str] = []
         started = time.monotonic()
         with Engine._native_lock:
             if log is not None:
                 self._ring.configure(cfg.ring_bytes, cfg.native)
-            images = self._run(params, progress, tiling.tiled, preview, canvas)
-            raw = self._drain_raw(scrub)
+            images = self._run(
+                p.params, p.progress, p.tiling.tiled, p.preview, p.canvas, p.lora_paths,
+                p.hires_path, notes,
+            )  # fmt: skip
+            raw = self._drain_raw(p.scrub)
         seconds = time.monotonic() - started
         records = self._take_records(raw, cfg)
         if not images:
@@ -734,9 +841,17 @@ class Engine:
                 + (": " + "; ".join(errors) if errors else " and logged no error"),
                 records=errors,
             )
-        warnings = [r.message for r in raw if r.level == "warn"] + self._input_notes
-        drawn = images[0].size  # what the runtime really drew, before the crop
-        images = [canvas.crop(im) for im in images]
+        return NativeOutput(self, prepared, images, raw, records, notes, seconds)
+
+    def _result(self, out: NativeOutput) -> GenerationResult:
+        """The result of a generation's native call: its images cropped to the job's size,
+        its warnings and its metadata (`NativeOutput.finish`; reads the engine only)."""
+        p = out.prepared
+        params, canvas, tiling, raw = p.params, p.canvas, p.tiling, out.raw
+        multiple = self.facts.size_multiple
+        warnings = [r.message for r in raw if r.level == "warn"] + out.notes
+        drawn = out.images[0].size  # what the runtime really drew, before the crop
+        images = [canvas.crop(im) for im in out.images]
         if drawn != images[0].size:
             warnings.append(canvas.warning(self.model.name, multiple, drawn))
         if tiling.warning:
@@ -749,19 +864,19 @@ class Engine:
             **params.as_dict(),
             "model": self.model.name,
             **({"model_hash": self.model_hash} if self.model_hash else {}),
-            **({"lora_hashes": lora_hashes} if lora_hashes else {}),
+            **({"lora_hashes": dict(p.lora_hashes)} if p.lora_hashes else {}),
             "backend": self.capabilities.backend,
             "device": self.capabilities.device,
             "sd_version": self.capabilities.sd_version,
             "seeds": [params.seed + i for i in range(len(images))],
             **({"drawn_size": list(drawn)} if drawn != images[0].size else {}),
-            "estimate": size_estimate,
+            "estimate": p.estimate,
             "vae_tiled": tiling.tiled,
             "fit_plan": self.fit.as_dict(),
             "warnings": warnings,
-            "timings": {"generate_s": round(seconds, 4)},
+            "timings": {"generate_s": round(out.seconds, 4)},
         }
-        return GenerationResult(images, params, metadata, records)
+        return GenerationResult(images, params, metadata, out.records)
 
     def video(
         self,
@@ -815,13 +930,14 @@ class Engine:
                     f"(it has: {', '.join(sorted(self.embeddings)) or 'none'})",
                 )
 
-    def _hires_upscaler(self, params: GenerationParams, files: Mapping[str, UpscalerFile]) -> int:
-        """Check the hires pass's model upscaler and keep its file for the call; the bytes it
-        adds to the estimate (`UpscalerFacts.working`). The runtime decodes the first pass,
+    def _hires_upscaler(
+        self, params: GenerationParams, files: Mapping[str, UpscalerFile]
+    ) -> tuple[int, Path | None]:
+        """Check the hires pass's model upscaler: (the bytes it adds to the estimate,
+        `UpscalerFacts.working`; its file for the call). The runtime decodes the first pass,
         upscales the image and encodes it again, so the model needs its encoder."""
-        self._hires_path = None
         if not params.hires_upscaler:
-            return 0
+            return 0, None
         if not self.model.can_encode_with(self.decoder):
             raise InvalidParameterError(
                 "hires_upscaler",
@@ -833,9 +949,8 @@ class Engine:
             raise InvalidParameterError(
                 "hires_upscaler", f"unknown upscaler {params.hires_upscaler!r}"
             )
-        self._hires_path = file.path
         facts = upscaler_facts(file.size, file.scale, self.capabilities_device)
-        return facts.working(params.width, params.height, params.hires_tile_size)
+        return facts.working(params.width, params.height, params.hires_tile_size), file.path
 
     def estimate_for(
         self,

@@ -284,7 +284,10 @@ class Dispatcher:
                 alive_jobs.add(job_id)
                 if reason is None:
                     continue
-                rc = self._lost(job_id, job, device, reason, count=state == "running")
+                # A job claimed ahead (`ahead`) had not begun; a `spared` one had ended its
+                # native call when its process died running another: neither loss counts.
+                ran = state == "running" and not job.get("ahead") and not job.get("spared")
+                rc = self._lost(job_id, job, device, reason, count=ran)
                 stats["poisoned" if rc == 2 else "requeued"] += rc > 0
                 self._mismatch_since.pop(job_id, None)
         for since in (self._mismatch_since, self._idle_since):
@@ -563,7 +566,7 @@ def _beat_after_claim(hb: dict[str, Any], job: dict[str, str]) -> bool:
     """A heartbeat from another process, stamped after the job's claim (both by the worker
     host's clock): the process that claimed the job is gone, no need to wait out the grace."""
     try:
-        return float(hb.get("ts") or 0) > float(job.get("started") or "inf")
+        return float(hb.get("ts") or 0) > float(job.get("started") or job.get("ahead") or "inf")
     except (TypeError, ValueError):
         return False
 

@@ -16,6 +16,8 @@ Job record `job:{id}` (hash), written at submit and then by each transition:
 | device, dispatch, tier, placed | place | where it went and the dispatch id its message carries |
 | attempts, lost_on | requeue | lost runs and the devices that lost them |
 | started, incarnation, worker | claim | when and which worker process runs it |
+| ahead | claim_ahead, until start | claimed during the job before it, not begun yet (when) |
+| spared | restore_held | its process died running another job: its loss is not counted |
 | records | worker after a load | the load's log records (for a poison report) |
 | inputs | submit | the key of the job's input images, when it has some |
 | ended, error | the end | when it ended (done, failed, cancelled) and why it failed |
@@ -52,7 +54,7 @@ import time
 import uuid
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 STATES = ("queued", "placed", "running", "done", "failed", "cancelled")
 FINAL_STATES = ("done", "failed", "cancelled")
@@ -69,6 +71,8 @@ RUNNING_JOB_FIELDS = (
     "attempts",
     "placed",
     "started",
+    "ahead",
+    "spared",
     "deadline",
 )
 """What the scheduler reads of each job that sits in a `running:{device}` hash."""
@@ -231,6 +235,15 @@ class Claim:
     estimate: int
     cancelled: bool
     tiling: dict[str, Any] | None = None
+
+
+class Began(NamedTuple):
+    """A worker process's start mark (sdfarm.worker.startmark): the job whose run it began
+    last, under which dispatch, and the process's incarnation."""
+
+    job_id: str
+    dispatch: str
+    incarnation: str
 
 
 @dataclass

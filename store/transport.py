@@ -213,6 +213,7 @@ for i = 1, #KEYS - 1 do
     local raw = redis.call('RPOP', KEYS[i])
     if raw then
         redis.call('HSET', KEYS[#KEYS], ARGV[1], raw, ARGV[1] .. ':list', KEYS[i])
+        redis.call('HDEL', KEYS[#KEYS], ARGV[1] .. ':job')
         return {KEYS[i], raw}
     end
 end
@@ -220,23 +221,13 @@ return false
 """
 """RPOP from the first non-empty list, in the order given: what kombu's BRPOP over the same
 lists does, without blocking (Redis 6.2 has no LMPOP). The message is kept, in the same step,
-as the taker's held message (`held_key`), until it takes another."""
+as the taker's held message (`held_key`), until it takes another; the job it claimed ahead
+before (`:job`, store/lua/claim_ahead.lua) began by then and is held no more."""
 
 _GIVE_BACK = """
 redis.call('RPUSH', KEYS[1], ARGV[1])
-redis.call('HDEL', KEYS[2], ARGV[2], ARGV[2] .. ':list')
+redis.call('HDEL', KEYS[2], ARGV[2], ARGV[2] .. ':list', ARGV[2] .. ':job')
 return 1
-"""
-
-_RESTORE_HELD = """
-local raw = redis.call('HGET', KEYS[1], ARGV[1])
-local list = redis.call('HGET', KEYS[1], ARGV[1] .. ':list')
-redis.call('HDEL', KEYS[1], ARGV[1], ARGV[1] .. ':list')
-if raw and list then
-    redis.call('RPUSH', list, raw)
-    return 1
-end
-return 0
 """
 
 
@@ -301,11 +292,4 @@ def push_back(client: Any, device_key: str, message: Message, taker: str = "0") 
 
 def forget_held(client: Any, device_key: str, taker: str = "0") -> None:
     """`taker` holds no message any more (its chain ended: every message it took ran)."""
-    client.hdel(held_key(device_key), taker, f"{taker}:list")
-
-
-def restore_held(client: Any, device_key: str, taker: str = "0") -> bool:
-    """Put `taker`'s held message back at the head of its list (a new process of that slot,
-    at start: the one before may have died between taking a message and claiming its job).
-    A message whose job was claimed meanwhile is harmless there: its claim finds it stale."""
-    return bool(client.eval(_RESTORE_HELD, 1, held_key(device_key), taker))
+    client.hdel(held_key(device_key), taker, f"{taker}:list", f"{taker}:job")

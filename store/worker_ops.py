@@ -28,6 +28,7 @@ from sdfarm.store.keys import (
 )
 from sdfarm.store.records import (
     FINAL_STATES,
+    Began,
     Claim,
     decode,
     event,
@@ -248,22 +249,64 @@ class WorkerOps(StoreBase):
         """`taker` holds no message any more (its chain ended)."""
         transport.forget_held(self.r, device_key, taker)
 
-    def restore_held(self, device_key: str, taker: str = "0") -> bool:
-        """`taker`'s held message back at the head of its list (a new slot process, at
-        start); True when there was one."""
-        return transport.restore_held(self.r, device_key, taker)
+    def restore_held(
+        self, device_key: str, taker: str = "0", began: Began | None = None
+    ) -> tuple[bool, str, int]:
+        """Settle what `taker`'s last process left (a new slot process, at start: the one
+        before may have died): its message back at the head of its list; the job it claimed
+        ahead charged as a run when `began` (its start mark) names it, else placed again;
+        every other job still running under it spared an attempt (store/lua/
+        restore_held.lua). (message put back, the held job's fate: "charged", "unclaimed"
+        or "", jobs spared)."""
+        held = transport.held_key(device_key)
+        named = decode(self.r.hget(held, f"{taker}:job"))
+        dispatch, _, job_key = named.partition(" ")
+        mark = began or Began("", "", "")
+        charged = (keys.job_key(mark.job_id), mark.dispatch) == (job_key, dispatch)
+        put_back, settled, spared = self._lua["restore_held"](
+            keys=[held, job_key or held, keys.running_key(device_key)],
+            args=[taker, dispatch, "1" if charged else "", mark.job_id, mark.incarnation,
+                  keys.job_key("")],
+        )  # fmt: skip
+        return bool(put_back), decode(settled), int(spared)
 
-    def peek(self, job_id: str, dispatch: str) -> Claim | None:
-        """What a claim of the job under `dispatch` would return, read without claiming it
-        (nothing written; `started` is now, `cancelled` False): the worker's lookahead
-        prepares the next job with it while the current one runs, and claims it only when
-        it starts. None when the message is stale (the claim would refuse it)."""
-        state, current, spec, created, estimate, tiling = self.r.hmget(
-            keys.job_key(job_id), "state", "dispatch", "spec", "created", "estimate", "tiling"
+    def claim_ahead(
+        self, job_id: str, dispatch: str, incarnation: str, worker: str, device_key: str,
+        taker: str = "0",
+    ) -> Claim | None:  # fmt: skip
+        """Claim the job of a message the lookahead took, during the native call before it
+        (sdfarm.worker.chain): running, marked `ahead` until `start`, and named as `taker`'s
+        held job. None when the message is stale."""
+        claimed = time.time()
+        got = self._lua["claim_ahead"](
+            keys=[keys.job_key(job_id), keys.cancel_key(job_id), transport.held_key(device_key)],
+            args=[dispatch, incarnation, worker, taker, repr(claimed)],
         )
-        if decode(state) != "placed" or decode(current) != dispatch:
+        if not got:
             return None
-        return _claim(spec, created, time.time(), estimate, False, tiling)
+        spec, created, estimate, cancelled, tiling = got
+        return _claim(spec, created, claimed, estimate, bool(cancelled), tiling)
+
+    def start(self, job_id: str, dispatch: str, incarnation: str, worker: str) -> bool | None:
+        """The run of a job claimed ahead began (its start mark is written): from now its loss
+        counts. True when a cancel is asked for, None when the job is not this run's any
+        more."""
+        got = self._lua["start"](
+            keys=[keys.job_key(job_id), keys.events_key(job_id), keys.cancel_key(job_id),
+                  *METRICS_KEYS],
+            args=[dispatch, repr(time.time()),
+                  event("running", incarnation=incarnation, worker=worker), EVENTS_CAP, JOB_TTL],
+        )  # fmt: skip
+        return None if int(got) < 0 else bool(got)
+
+    def unclaim(self, job_id: str, dispatch: str, device_key: str, taker: str = "0") -> bool:
+        """A job claimed ahead that will not run here placed again, as its message is put
+        back (a stopping worker); False when it moved on meanwhile."""
+        return bool(
+            self._lua["unclaim"](
+                keys=[keys.job_key(job_id), transport.held_key(device_key)], args=[dispatch, taker]
+            )
+        )
 
 
 def _claim(

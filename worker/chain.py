@@ -19,15 +19,20 @@ so a stopping worker finishes the job it runs and takes no other. `SDFARM_CHAIN=
 chaining off.
 
 Lookahead (`SDFARM_LOOKAHEAD`, on unless `0`; a worker with one engine slot): just before a
-job's native call the slot takes the next message on its lookahead thread and prepares that
-job (its record read without a claim, its parameters checked, its inputs read, its engine
-taken when it is the one already loaded), while the runtime generates without the GIL.
-The job is claimed only when it starts, so a job is never counted as having run on a
-process it did not run on. The message taken ahead is recorded in Redis as the slot's held
-message (sdfarm.store.transport.pop_next): a process that dies holding it is replaced by one
-that puts it back first (`restore_held`), and a stopping worker puts it back itself. With
-N > 1 slots nothing is taken ahead: another slot may be idle, and a message held behind a
-long job would wait for it.
+job's native call the slot takes the next message on its lookahead thread, claims its job
+ahead (store/lua/claim_ahead.lua: running under this process, marked `ahead`) and prepares it
+(its parameters checked, its inputs read, its engine taken when it is the one already loaded,
+the engine's own checks done: `Engine.prepare`), while the runtime generates without the GIL.
+Between two images there is then no Redis round trip at all. A job claimed ahead begins when
+its run does: the slot writes its local start mark first (sdfarm.worker.startmark), then the
+lookahead thread writes the start to Redis (store/lua/start.lua), off the path. So an abort
+is charged to the job that was running: a process that dies before the next job began
+leaves it `ahead`, which the scheduler re-places without counting an attempt, and the
+slot's next process, reading the start mark, places it again (not begun) or charges it
+(begun, its start not yet in Redis): `Store.restore_held`. The message taken ahead is
+recorded as the slot's held message, which that next process puts back; a stopping worker
+places the job again and puts the message back itself. With N > 1 slots nothing is taken
+ahead: another slot may be idle, and a message held behind a long job would wait for it.
 """
 
 from __future__ import annotations
@@ -40,6 +45,8 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
+
+from sdfarm.native.gate import GATE
 
 log = logging.getLogger("sdfarm.worker")
 
@@ -133,6 +140,7 @@ class Chain:
         the current one has written its result (its backlog bound), that is some time into
         the current job: the queue is looked at again after AHEAD_POLL_S, then at growing
         intervals up to AHEAD_POLL_MAX_S (a long job costs a few Redis reads per second)."""
+        GATE.wait()  # not while the job thread starts the current job's native call
         wait = AHEAD_POLL_S
         while (message := self._take()) is None:
             if self._current_ended.wait(wait) or self.stopping():
@@ -172,13 +180,13 @@ class Chain:
         """A stopping worker runs no other job: the message taken ahead goes back."""
         message, ready = link
         self.taken -= 1
+        if ready is not None and self.discard is not None:
+            self.discard(ready)  # first: its job is placed again before its message is back
         try:
             if self.push_back is not None:
                 self.push_back(message)
         except Exception as exc:  # noqa: BLE001 - restored by the next process of this slot
             log.warning("chain: the message taken ahead not put back: %s", exc)
-        if ready is not None and self.discard is not None:
-            self.discard(ready)
 
 
 _executor: tuple[int, ThreadPoolExecutor] | None = None

@@ -24,6 +24,7 @@ from typing import Any
 from sdfarm.native.devices import Device, HostFigures
 from sdfarm.store import keys, transport
 from sdfarm.store.retry import retry_transient
+from sdfarm.worker import startmark
 
 log = logging.getLogger("sdfarm.worker")
 
@@ -55,6 +56,7 @@ class WorkerConfig:
     engines: int = 1  # engine slots on the device: pool processes running jobs at once
     slots_dir: str | None = None  # the slots' shared folder (sdfarm.worker.slots), N > 1
     stop_file: str | None = None  # touched by the main process on SIGTERM (worker.chain)
+    run_dir: str | None = None  # the worker's private folder: stop file, start marks
     worker_id: str = field(default_factory=lambda: uuid.uuid4().hex)  # the parent's, per start
 
     @property
@@ -110,6 +112,8 @@ class Context:
         # the folder the slots share, and what its cache sees of the others.
         self.board = SlotBoard(config.slots_dir) if config.slots_dir else None
         self.slot = slot_index() if self.board else 0
+        # Which job's run this process began last (a job claimed ahead: sdfarm.worker.chain).
+        self.start_mark = startmark.for_slot(config.run_dir, self.slot, self.incarnation)
         self.worker_name = f"{config.celery_hostname or socket.gethostname()}:{self.pid}"
         # Writes of up to MAX_RESULT_BYTES need more than redis-py 8's default 5 s timeout.
         self.store = Store.connect(config.redis_url, health_check_interval=30, socket_timeout=60)
@@ -154,14 +158,24 @@ class Context:
             threading.Thread(target=self._preload, name="sdfarm-preload", daemon=True).start()
 
     def _restore_held(self) -> None:
-        """The message this slot's last process held (taken from the queue, its job not yet
-        claimed: sdfarm.worker.chain) back at the head of the queue: that process may have
-        died holding it. A message whose job did run is dropped there as stale."""
+        """Settle what this slot's last process left (sdfarm.worker.chain), which may have
+        died: the message it took goes back to the head of the queue, the job it claimed
+        ahead is placed again, or charged as a run when its start mark says the run began,
+        and the other jobs still running under it are spared an attempt: an abort is the
+        marked job's (sdfarm.worker.startmark)."""
         try:
-            if self.store.restore_held(self.config.device_key, str(self.slot)):
-                log.info("slot %d: put back the message its last process held", self.slot)
-        except Exception as exc:  # noqa: BLE001 - the scheduler re-places a lost message
-            log.warning("slot %d: the held message not put back: %s", self.slot, exc)
+            began = self.start_mark.read()
+            put_back, settled, spared = self.store.restore_held(
+                self.config.device_key, str(self.slot), began
+            )
+            if put_back or settled or spared:
+                log.warning(
+                    "slot %d: settled what its last process left: message %s, job %s, "
+                    "%d other job(s) spared",
+                    self.slot, "put back" if put_back else "spent", settled or "none", spared,
+                )  # fmt: skip
+        except Exception as exc:  # noqa: BLE001 - the scheduler re-places a lost job
+            log.warning("slot %d: the held message not settled: %s", self.slot, exc)
 
     def stop(self) -> None:
         """Graceful end of this child: write every finished result, withdraw the heartbeat
@@ -320,7 +334,8 @@ def test_hooks_enabled(environ: dict[str, str] | None = None) -> bool:
 
 def test_hook(spec: dict[str, Any], environ: dict[str, str] | None = None) -> str | None:
     """The job spec's `test_hook` ("abort" before its run, "abort-running" during it, after
-    the lookahead took the next message; "sleep:N" before the lookahead, "ahead-sleep:N"
+    the lookahead took the next message, "abort-at-start" as the run of a job claimed ahead
+    begins, before its start reaches Redis; "sleep:N" before the lookahead, "ahead-sleep:N"
     after it), but only when SDFARM_TEST_HOOKS=1 in the worker's environment; None
     otherwise, always."""
     if not test_hooks_enabled(environ):

@@ -306,6 +306,7 @@ def run(args: argparse.Namespace) -> int:
         config.slots_dir = str(board.root)
     # Touched on SIGTERM: a slot running a chain of jobs (sdfarm.worker.chain) takes no more.
     run_dir = Path(tempfile.mkdtemp(prefix="sdfarm-worker-"))
+    config.run_dir = str(run_dir)
     config.stop_file = str(run_dir / "stopping")
     transport.on_worker_stopping(lambda: _touch(run_dir / "stopping"))
     hooks.configure(config)

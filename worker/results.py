@@ -18,11 +18,13 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import redis
 
+from sdfarm.native.gate import GATE
 from sdfarm.native.png import png_bytes
 from sdfarm.store.results import REDIS_RESULT_MAX, RedisResults, ResultRefused, ResultStore, where
 from sdfarm.store.retry import BUDGET_S, TRANSIENT, retry_transient
@@ -57,6 +59,25 @@ class Finished:
     """Encoded results stored after the images' PNGs (a video's animated WebP)."""
 
 
+@dataclass
+class Later:
+    """A job's end whose Finished is built on the uploader thread (`build`): the job thread
+    hands its native call's output over and starts the next job at once. A build that fails
+    fails the job, with the error."""
+
+    job_id: str
+    dispatch: str
+    build: Callable[[], Finished]
+
+    def finished(self) -> Finished:
+        try:
+            return self.build()
+        except Exception as exc:  # noqa: BLE001 - a bug fails this job, not the uploader
+            log.exception("the result of job %s not built", self.job_id)
+            error = f"internal error in the worker: {type(exc).__name__}: {exc}"
+            return Finished(self.job_id, self.dispatch, "failed", error=error)
+
+
 class Uploader:
     """A queue and the thread that drains it; `flush()` waits until everything handed over
     so far is written."""
@@ -73,7 +94,7 @@ class Uploader:
         self._retry_s = retry_s
         self._device_key = device_key
         self.results = results or RedisResults(store, max_bytes=max_result_bytes)
-        self._queue: queue.Queue[Finished | None] = queue.Queue()
+        self._queue: queue.Queue[Finished | Later | None] = queue.Queue()
         self.unwritten: dict[str, tuple[Finished, str]] = {}
         """Jobs whose end is not written yet, tried again every UNWRITTEN_RETRY_S (the
         heartbeat lists them): with why, those Redis refused even as a failure; with "",
@@ -86,7 +107,7 @@ class Uploader:
     def start(self) -> None:
         self._thread.start()
 
-    def submit(self, item: Finished) -> None:
+    def submit(self, item: Finished | Later) -> None:
         with self._cond:
             self._pending += 1
         self._queue.put(item)
@@ -115,6 +136,9 @@ class Uploader:
                 continue
             if item is None:
                 return
+            GATE.wait()  # not while the job thread starts its next native call
+            if isinstance(item, Later):
+                item = item.finished()
             try:
                 self.write(item)
             except TRANSIENT as exc:  # Redis still away: keep the whole result, try again

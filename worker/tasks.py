@@ -23,9 +23,10 @@ from typing import Any
 from sdfarm.native import enginekey, images, logs, upscale_params, video_params, videofile
 from sdfarm.native.controlnets import CONTROL_HEADS
 from sdfarm.native.decoders import resolve as resolve_decoder
-from sdfarm.native.engine import LogConfig, ModelWith, check_extras, extras_bytes
+from sdfarm.native.engine import LogConfig, ModelWith, NativeOutput, check_extras, extras_bytes
 from sdfarm.native.errors import EngineError, InvalidParameterError, ModelTooLargeError
 from sdfarm.native.estimate import model_facts, upscaler_facts
+from sdfarm.native.gate import GATE
 from sdfarm.native.params import IMAGE_PARAMS, attach_images, from_mapping, validate
 from sdfarm.native.preview import Preview
 from sdfarm.native.tiling import TilingPlan
@@ -34,7 +35,7 @@ from sdfarm.store import Claim, JobSpec
 from sdfarm.store.records import JOB_KINDS, upscaler_key
 from sdfarm.store.retry import retry_transient
 from sdfarm.worker import chain, hooks
-from sdfarm.worker.results import Finished
+from sdfarm.worker.results import Finished, Later
 
 log = logging.getLogger("sdfarm.worker")
 
@@ -50,13 +51,20 @@ def run_job(job_id: str, dispatch: str) -> None:
     no Celery round between two generations), each taken and prepared during the native call
     of the one before when the chain looks ahead."""
     ctx = hooks.context()
-    links = chain.for_context(ctx, lambda m: JobRun.ahead_of(ctx, m), JobRun.discard_ahead)
-    JobRun(ctx, str(job_id), str(dispatch), links=links).run()
-    while links is not None and (found := links.next()) is not None:
-        message, ready = found
-        run = ready or JobRun(ctx, message.job_id, message.dispatch, chained=True)
-        run.links = links
-        run.run()
+    links = chain.for_context(ctx, lambda m: JobRun.ahead_of(ctx, m), JobRun.give_back)
+    try:
+        JobRun(ctx, str(job_id), str(dispatch), links=links).run()
+        while links is not None and (found := links.next()) is not None:
+            message, ready = found
+            run = ready or JobRun(ctx, message.job_id, message.dispatch, chained=True)
+            run.links = links
+            run.run()
+    finally:
+        GATE.open()  # nothing more to start: the helper threads need not hold off
+
+
+def _now(fn: Callable[[], Any]) -> None:
+    fn()
 
 
 class NotAhead(Exception):
@@ -66,10 +74,10 @@ class NotAhead(Exception):
 
 @dataclass
 class Ahead:
-    """A job prepared during the native call before it: what its record said then (the
-    claim must say the same), its spec, its engine (held) and its call."""
+    """A job prepared during the native call before it: its claim (taken ahead), its spec,
+    its engine (held) and its call."""
 
-    peek: Claim
+    claim: Claim
     spec: JobSpec
     engine: Any
     call: Callable[[], Any]
@@ -89,6 +97,9 @@ class JobRun:
         self.ctx = ctx
         self.links = links
         self._ahead: Ahead | None = None
+        self._claimed_ahead: Claim | None = None  # claimed during the job before it
+        self._began = False
+        self._cancel_at_start = False
         self._loaded_only = False
         self.job_id = job_id
         self.dispatch = dispatch
@@ -115,14 +126,22 @@ class JobRun:
     def run(self) -> None:
         ctx = self.ctx
         self._t0 = time.monotonic()
+        self.timings["begun_at"] = round(time.time(), 6)  # the worker's clock, epoch seconds
         # Every write on the job's path rides out a Redis restart (retry_transient): a blip
         # must not fail the job, nor leave it claimed by nobody.
         try:
-            claimed = retry_transient(
-                lambda: self.store.claim(
-                    self.job_id, self.dispatch, ctx.incarnation, ctx.worker_name
+            if self._claimed_ahead is not None:
+                claimed = self._claimed_ahead
+                self.meta["claimed_ahead"] = True  # no claim between it and the job before
+                self._begin()
+            else:
+                claimed = retry_transient(
+                    lambda: self.store.claim(
+                        self.job_id, self.dispatch, ctx.incarnation, ctx.worker_name
+                    )
                 )
-            )
+                if claimed is not None:  # an abort from here on is this job's
+                    ctx.start_mark.write(self.job_id, self.dispatch)
             if claimed is None:
                 log.info(
                     "dropped a stale message for job %s (dispatch %s)", self.job_id, self.dispatch
@@ -210,35 +229,84 @@ class JobRun:
         return run
 
     def prepare_ahead(self) -> None:
-        """Read the job's record without claiming it and prepare it as its start would: its
-        spec, checked parameters, inputs and model, and its engine when that one is loaded.
-        Anything that stops this (a stale message, a test hook, bad input, an engine to
-        load) leaves the job to be prepared when it starts, where its errors are reported."""
+        """Claim the job ahead and prepare it as its start would: its spec, checked
+        parameters, inputs and model, and its engine when that one is loaded. The claim
+        (store/lua/claim_ahead.lua) keeps the Redis round trip of a claim off the path between
+        two images; the job counts as begun only when its run does (`_begin`). Anything that
+        stops the preparation (a test hook, bad input, an engine to load) leaves the job to
+        be prepared when it starts, where its errors are reported."""
+        ctx = self.ctx
         try:
-            peek = self.store.peek(self.job_id, self.dispatch)
-            if peek is None:
-                return
-            doc = json.loads(peek.spec or "{}")
+            claim = self.store.claim_ahead(
+                self.job_id, self.dispatch, ctx.incarnation, ctx.worker_name,
+                ctx.config.device_key, str(ctx.slot),
+            )  # fmt: skip
+        except Exception as exc:  # noqa: BLE001 - claimed when it starts (claim.lua takes it)
+            log.warning("job %s not claimed ahead: %s", self.job_id, exc)
+            return
+        if claim is None:
+            return  # a stale message: dropped when it comes up
+        self._claimed_ahead = claim
+        try:
+            doc = json.loads(claim.spec or "{}")
             if not isinstance(doc, dict) or hooks.test_hook(doc):
                 return
             spec = _job_spec(doc)
             self._loaded_only = True
-            engine, call = self._prepare(spec, peek)
-            self._ahead = Ahead(peek, spec, engine, call)
+            engine, call = self._prepare(spec, claim)
+            self._ahead = Ahead(claim, spec, engine, call)
         except Exception as exc:  # noqa: BLE001 - prepared again, and reported, at its start
             log.debug("job %s not prepared ahead: %s", self.job_id, exc)
         finally:
             self._loaded_only = False
 
+    def _begin(self) -> None:
+        """The run of a job claimed ahead begins: marked in this slot's start mark first (an
+        abort from here on is charged to this job: sdfarm.worker.startmark), then in Redis by
+        the lookahead thread, off the path (`store.start`)."""
+        self._began = True
+        self.ctx.start_mark.write(self.job_id, self.dispatch)
+        if hooks.test_hooks_enabled():
+            self._abort_at_start_hook()
+        run_ahead = self.links.run_ahead if self.links is not None else _now
+        run_ahead(self._record_start)
+
+    def _abort_at_start_hook(self) -> None:
+        """The test hook "abort-at-start": the process ends as the job begins, its start
+        only in the start mark (the results before it written first)."""
+        doc = json.loads(self._claimed_ahead.spec or "{}") if self._claimed_ahead else {}
+        if hooks.test_hook(doc) == "abort-at-start":
+            self.ctx.uploader.flush(10.0)
+            log.warning("test hook: aborting the process as job %s begins", self.job_id)
+            os.abort()
+
+    def _record_start(self) -> None:
+        """On the lookahead thread: the job's start in Redis (its `ahead` cleared, `started`,
+        the running event). A cancel that came since it was claimed ends it before its native
+        call when the answer is in by then; after that the cancel watch ends it."""
+        ctx = self.ctx
+        GATE.wait()  # once the native call began (or soon after): the job thread first
+        try:
+            cancelled = retry_transient(
+                lambda: self.store.start(
+                    self.job_id, self.dispatch, ctx.incarnation, ctx.worker_name
+                )
+            )
+        except Exception as exc:  # noqa: BLE001 - its finish still ends it
+            log.warning("start of job %s not recorded: %s", self.job_id, exc)
+            return
+        if cancelled:
+            self._cancel_at_start = True
+
     def _take_ahead(self, claimed: Claim) -> Ahead | None:
-        """The job as prepared ahead, when its claim reads what the lookahead read and its
+        """The job as prepared ahead, when its claim reads what the preparation read and its
         engine is still loaded and usable; otherwise None (and the engine released)."""
         ahead, self._ahead = self._ahead, None
         if ahead is None:
             return None
-        peek = ahead.peek
+        was = ahead.claim
         same = (claimed.spec, claimed.estimate, claimed.tiling) == (
-            peek.spec, peek.estimate, peek.tiling,
+            was.spec, was.estimate, was.tiling,
         )  # fmt: skip
         if same and self.ctx.cache.holds(ahead.spec.model, ahead.engine):
             return ahead
@@ -251,6 +319,18 @@ class JobRun:
         ahead, self._ahead = self._ahead, None
         if ahead is not None:
             self.ctx.cache.release(ahead.spec.model)
+
+    def give_back(self) -> None:
+        """This job, claimed ahead, will not run in this process (its worker is stopping): its
+        engine released and the job placed again, before its message is put back."""
+        self.discard_ahead()
+        if self._claimed_ahead is None or self._began:
+            return
+        ctx = self.ctx
+        try:
+            self.store.unclaim(self.job_id, self.dispatch, ctx.config.device_key, str(ctx.slot))
+        except Exception as exc:  # noqa: BLE001 - the next process of the slot settles it
+            log.warning("job %s claimed ahead not given back: %s", self.job_id, exc)
 
     def _prepare_generate(self, spec: JobSpec, claimed: Claim) -> tuple[Any, Callable[[], Any]]:
         """A generation's checked parameters, model, LoRAs and engine: (engine, the call)."""
@@ -290,11 +370,16 @@ class JobRun:
         )
         engine = self._engine(spec.model, model, facts.resident(), need)
         log_config = LogConfig(level=self.level, log_prompts=self.log_prompts)
-        return engine, lambda: engine.generate(
-            params, progress=self._progress,
-            preview=self._preview if params.preview_every else None,
-            log=log_config, estimate=need, loras=loras, upscalers=ups, tiling=tiling,
-        )  # fmt: skip
+        try:  # every check of the engine's, here: ahead of the start when looking ahead
+            prepared = engine.prepare(
+                params, progress=self._progress,
+                preview=self._preview if params.preview_every else None,
+                log=log_config, estimate=need, loras=loras, upscalers=ups, tiling=tiling,
+            )  # fmt: skip
+        except BaseException:
+            self.ctx.cache.release(spec.model)
+            raise
+        return engine, lambda: engine.run_prepared(prepared)
 
     def _prepare_upscale(self, spec: JobSpec, claimed: Claim) -> tuple[Any, Callable[[], Any]]:
         """An upscale's checked parameters, upscaler file and engine (`upscaler:NAME` in the
@@ -364,29 +449,38 @@ class JobRun:
                 time.sleep(0.5)  # the lookahead takes the next message meanwhile
                 log.warning("test hook: aborting the process while job %s runs", self.job_id)
                 os.abort()
+            if self._cancel_at_start:  # asked for while it was claimed ahead
+                self._end("cancelled")
+                return
             self.timings["worker_pre_s"] = round(time.monotonic() - self._t0, 4)
-            result = call()
+            out = call()
+        # The result is built on the uploader thread, beside the next job's native call.
+        load_records = self._load_records(name) if loaded else []
+        self.ctx.uploader.submit(
+            Later(self.job_id, self.dispatch, lambda: self._finished(out, load_records))
+        )
+
+    def _finished(self, out: Any, load_records: list[dict[str, Any]]) -> Finished:
+        """The job's end from what its native call returned (a generation's NativeOutput is
+        finished into its result here; an upscale's or a video's is its result)."""
+        result = out.finish() if isinstance(out, NativeOutput) else out
         meta = {**result.metadata, **self.meta}
         meta["engine_device"] = result.metadata.get("device")
         meta["timings"] = {**self.timings, **result.metadata.get("timings", {})}
-        records = (self._load_records(name) if loaded else []) + [
-            r.as_dict() for r in result.records
-        ]
+        records = load_records + [r.as_dict() for r in result.records]
         seeds = meta.get("seeds")
         frames = len(result.images) if meta.get("kind") == "video" else 0
-        self.ctx.uploader.submit(
-            Finished(
-                self.job_id,
-                self.dispatch,
-                "done",
-                meta=meta,
-                records=_visible(records, self.level),
-                images=list(result.images),
-                png_params=[{**meta, "seed": s} for s in seeds]
-                if seeds
-                else [{**meta, "frame": i} for i in range(frames)] or [meta],
-                extra=list(getattr(result, "extra", [])),
-            )
+        return Finished(
+            self.job_id,
+            self.dispatch,
+            "done",
+            meta=meta,
+            records=_visible(records, self.level),
+            images=list(result.images),
+            png_params=[{**meta, "seed": s} for s in seeds]
+            if seeds
+            else [{**meta, "frame": i} for i in range(frames)] or [meta],
+            extra=list(getattr(result, "extra", [])),
         )
 
     def _with_inputs(self, params: dict[str, Any]) -> dict[str, Any]:
@@ -529,6 +623,7 @@ class CancelWatch:
                 self._cond.wait(CANCEL_POLL_S)
                 if self._job is not job:
                     continue
+            GATE.wait()  # not while the job thread starts a native call
             try:
                 if job._cancel_requested():
                     job.cancel_running()

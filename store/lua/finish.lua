@@ -19,6 +19,7 @@ end
 local ttl = tonumber(ARGV[7])
 local n = tonumber(ARGV[16])
 redis.call('HSET', KEYS[1], 'state', ARGV[2], 'error', ARGV[3], 'ended', ARGV[4])
+redis.call('HDEL', KEYS[1], 'ahead', 'spared')
 if n > 0 then
   redis.call('HSET', KEYS[1], unpack(ARGV, 17, 16 + n))
 end

@@ -100,6 +100,7 @@ end
 -- key it has, the metrics, and its webhook queued.
 local function ended(job, events, done, state, ev, cap, ttl, counters, seconds, hooks)
   redis.call('HSET', job, 'state', state, 'ended', now())
+  redis.call('HDEL', job, 'ahead', 'spared')
   log(events, ev, cap, ttl)
   redis.call('RPUSH', done, state)
   for _, k in ipairs({job, events, done}) do redis.call('EXPIRE', k, ttl) end

@@ -29,6 +29,7 @@ if ARGV[6] == '1' then
 end
 redis.call('HSET', KEYS[1], 'state', 'queued', 'device', '', 'dispatch', ARGV[5],
   'incarnation', '')
+redis.call('HDEL', KEYS[1], 'ahead', 'spared')
 redis.call('LPUSH', KEYS[3], ARGV[2])
 redis.call('INCR', KEYS[4])
 count(KEYS[9], 'requeued', redis.call('HGET', KEYS[1], 'model'), ARGV[8])

@@ -120,28 +120,6 @@ def test_pop_next_takes_celerys_order_and_leaves_what_it_cannot_read(
     assert r.hgetall(held_key(device)) == {}  # and not held by the taker
 
 
-def test_a_taken_message_is_held_until_the_next_take_and_restored_to_the_head(
-    outbox: CeleryOutbox,
-) -> None:
-    """A slot's process that dies between taking a message and claiming its job: the next
-    process of that slot puts the message back at the head of its list."""
-    from sdfarm.store.transport import pop_next, queue_lists, restore_held
-
-    r, device = outbox.r, "hostH/CPU"
-    (first,) = queue_lists(device)[:1]
-    for job in ("a", "b", "c"):
-        r.lpush(first, outbox.message(job, f"d-{job}", device)[1])
-    a = pop_next(r, device, taker="0")
-    b = pop_next(r, device, taker="1")
-    assert (a.job_id, b.job_id) == ("a", "b")
-    assert restore_held(r, device, taker="1")  # slot 1 died holding b
-    assert not restore_held(r, device, taker="1")  # once
-    assert r.llen(first) == 2
-    assert pop_next(r, device, taker="1").job_id == "b"  # back at the head, before c
-    assert restore_held(r, device, taker="0")  # slot 0's message comes back too
-    assert pop_next(r, device).job_id == "a"
-
-
 def test_a_message_given_back_is_at_the_head_and_no_longer_held(outbox: CeleryOutbox) -> None:
     from sdfarm.store.transport import forget_held, pop_next, push_back, queue_lists
 

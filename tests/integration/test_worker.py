@@ -404,6 +404,35 @@ def test_a_job_taken_ahead_by_a_process_that_dies_runs_on_its_successor(
     assert farm.wait(nxt, timeout=60) == "done"
     assert farm.job(dying)["state"] == "running"  # left for the scheduler, as any abort
     assert farm.store.queue_length(hooked.key) == 0
+    # the next job had been claimed ahead, and never began: placed again, not charged
+    assert "job unclaimed" in hooked.log.read_text()
+    assert farm.job(nxt).get("attempts", "0") == "0"
+
+
+def test_a_job_claimed_ahead_that_aborts_its_process_is_charged_with_the_abort(
+    farm: Farm, hooked: Worker
+) -> None:
+    """The lookahead claimed the next job during the one before; that job's run began and
+    killed the process before its start reached Redis. Its start mark (sdfarm.worker.
+    startmark) tells the next process, which charges it: the scheduler counts its loss as a
+    run (a poison job cannot loop for ever as a job that never began)."""
+    before = hooked.heartbeat()["incarnation"]
+    warm = farm.place(hooked)
+    assert farm.wait(warm) == "done"
+    first = farm.place(hooked, test_hook="ahead-sleep:0.5", send=False)
+    killer = farm.place(hooked, test_hook="abort-at-start", send=False)
+    for job in (first, killer):
+        transport.send(farm.app, job, farm.job(job)["dispatch"], hooked.key)
+    hooked.heartbeat(until=lambda d: d["incarnation"] != before, timeout=60)
+    assert farm.wait(first, timeout=60) == "done"
+    deadline = time.monotonic() + 30
+    while "job charged" not in hooked.log.read_text():
+        assert time.monotonic() < deadline, hooked.log.read_text()[-3000:]
+        time.sleep(0.05)
+    job = farm.job(killer)
+    assert job["state"] == "running" and job["incarnation"] == before
+    assert "ahead" not in job and job["started"]  # a run that began: its loss counts
+    assert farm.store.queue_length(hooked.key) == 0  # its message is spent, not put back
 
 
 # -- the uploader's cap, against the real Redis --------------------------------------------

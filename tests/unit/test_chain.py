@@ -83,7 +83,16 @@ class Recorder:
         self.prepared: list = []
         self.given_back: list = []
         self.discarded: list = []
+        self.order: list[str] = []
         self.forgotten = 0
+
+    def give_back(self, message) -> None:
+        self.order.append("message back")
+        self.given_back.append(message)
+
+    def discard(self, ready) -> None:
+        self.order.append("job placed again")
+        self.discarded.append(ready)
 
     def prepare(self, message):
         self.prepared.append(message)
@@ -94,8 +103,8 @@ class Recorder:
             queue_of(*jobs),
             stopping=stop,
             prepare=self.prepare,
-            push_back=self.given_back.append,
-            discard=self.discarded.append,
+            push_back=self.give_back,
+            discard=self.discard,
             run_ahead=now,
             forget=self.forget,
             **kw,
@@ -153,6 +162,8 @@ def test_a_worker_that_began_to_stop_gives_the_job_taken_ahead_back() -> None:
     stop["now"] = True  # SIGTERM during the native call
     assert chain.next() is None
     assert rec.given_back == [("a", "d1")] and rec.discarded == ["ready a"]
+    # its job (claimed ahead) is placed again before its message is back for another taker
+    assert rec.order == ["job placed again", "message back"]
     assert chain.taken == 0
 
 
