@@ -46,6 +46,7 @@
 #                                   # under MPS (N=4) with the fastest; the peer's eager b1
 #   bash bench/gpu_run.sh vecmore   # build here; 500-job GPU efficiency; 1024 under MPS, N=4, 8
 #   bash bench/gpu_run.sh effahead  # build here; 500-job GPU efficiency, lookahead on/off/on
+#   bash bench/gpu_run.sh effbacklog # build here; effahead's runs with the backlog change
 #   bash bench/gpu_run.sh cublas32  # after effahead: cuBLAS f32 output side by side; the farm
 #                                   # under MPS (N=4) with the faster; the peer's eager b1
 #
@@ -875,6 +876,19 @@ effahead() {
           --out "$OUT/cuda/cuda-efficiency-500-ahead-again1.json" )
 }
 
+# effahead again after the scheduler's change that followed it: a job claimed ahead no longer
+# fills its device's backlog (sdfarm.scheduler.registry), so the next message is in the queue
+# before the job claimed ahead begins. One slot, 500 jobs of 512x512, twice.
+effbacklog() {
+    NOPACK=1 ensure
+    mkdir -p "$OUT/cuda"
+    efficiency_by SDFARM_LOOKAHEAD backlog 1
+    ( export SDFARM_LOOKAHEAD=1
+      stage 90 efficiency-backlog-again bench/farm_efficiency.py --model "$MODEL" \
+          --device CUDA0 --jobs 500 --size 512 --log-dir "$FARM_LOGS/backlog-again" \
+          --out "$OUT/cuda/cuda-efficiency-500-backlog-again1.json" )
+}
+
 # Right after effahead (the same build): cuBLAS writing f32 straight from its f16 GEMMs
 # (GGML_CUDA_FORCE_CUBLAS_COMPUTE_32F=1: no f16 -> f32 conversion kernel after each) against
 # the default, side by side; the farm under MPS (N=4) with the faster at 1024; the same
@@ -949,7 +963,7 @@ peertwo() {
 case "$PHASE" in
     setup | bench1 | bench2) ;;
     cuda_recheck | cudafarm | overhead | speedbatch | gputests | cpu1024 | twogpu) ;;
-    features | tiling | peer | tilingpeer | decodefarm | lanes | extras | cudaopts | cudamore | vulkan | vkcheck | peerone | peertwo | peerthree | effprefetch | nextlease | chainlease | i2vmps | lookahead | profile | lookprofile | im2col2 | im2col4 | gnorm | gnormpeer | im2colvec | vecmore | effahead | cublas32) ;;
+    features | tiling | peer | tilingpeer | decodefarm | lanes | extras | cudaopts | cudamore | vulkan | vkcheck | peerone | peertwo | peerthree | effprefetch | nextlease | chainlease | i2vmps | lookahead | profile | lookprofile | im2col2 | im2col4 | gnorm | gnormpeer | im2colvec | vecmore | effahead | cublas32 | effbacklog) ;;
     *) echo "usage: bash bench/gpu_run.sh setup|bench1|bench2|cuda_recheck|cudafarm|overhead|speedbatch|gputests|cpu1024|twogpu|features|tiling|peer|tilingpeer|decodefarm|lanes|extras|cudaopts|cudamore|vulkan|vkcheck|peerone|peertwo|peerthree|effprefetch|nextlease|chainlease|i2vmps|lookahead|profile" >&2; exit 2 ;;
 esac
 set -o pipefail

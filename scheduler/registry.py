@@ -390,7 +390,10 @@ def build_devices(
     cache: dict[str, tuple[Any, tuple[Any, ...], DeviceState]] | None = None,
 ) -> list[DeviceState]:
     """Every known device as a DeviceState, sorted by key; a live device's queued count is
-    its `running:{device}` length, and models of jobs sent there that its heartbeat does not
+    its `running:{device}` length less the jobs its worker claimed ahead (`ahead`: taken
+    from its queue and held as its next run, sdfarm.worker.chain: the queue behind them is
+    empty, and the next message must be there before that job begins, or the engine waits
+    for it), and models of jobs sent there that its heartbeat does not
     list are counted as loading (`account` with sent=0). With `cache` (kept by the caller
     between cycles), a device whose heartbeat is the same object and whose sent jobs are
     the same as last time keeps its DeviceState instead of being built again."""
@@ -402,13 +405,14 @@ def build_devices(
             out.append(dead_state(key, len(entries), backlog_limit))
             continue
         sent = [(j, jobs.get(j) or {}) for j in sorted(entries)]
-        sig = (backlog_limit, *((j, job.get("model"), job.get("state"),
-                                 job.get("estimate")) for j, job in sent))  # fmt: skip
+        sig = (backlog_limit, *((j, job.get("model"), job.get("state"), job.get("estimate"),
+                                 bool(job.get("ahead"))) for j, job in sent))  # fmt: skip
         seen = cache.get(key) if cache is not None else None
         if seen is not None and seen[0] is hb and seen[1] == sig:
             out.append(seen[2])
             continue
-        state = device_state(key, hb, queued=len(entries), backlog_limit=backlog_limit)
+        waiting = sum(1 for _, job in sent if not job.get("ahead"))
+        state = device_state(key, hb, queued=waiting, backlog_limit=backlog_limit)
         state = account_sent(
             state,
             [

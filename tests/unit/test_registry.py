@@ -180,6 +180,23 @@ def test_build_devices_reuses_a_device_whose_heartbeat_and_jobs_are_unchanged() 
     assert cache == {}  # gone devices leave the cache
 
 
+def test_a_job_claimed_ahead_leaves_room_in_its_devices_backlog() -> None:
+    """A job the worker claimed ahead (sdfarm.worker.chain) is its next run, no longer in its
+    queue: the backlog bound counts the running job and what waits, so the device gets its
+    next message before that job begins. Its model and estimate stay accounted."""
+    beat = hb(loaded=[{"name": "m", "estimate": GiB}])
+    running = {"h1/CUDA0": {"j1": "d1", "j2": "d2"}}
+    run = {"state": "running", "model": "m", "estimate": str(GiB)}
+    plain = {"j1": run, "j2": {**run}}
+    ahead = {"j1": run, "j2": {**run, "ahead": "1796180000.1"}}
+    cache: dict = {}
+    full = build_devices({"h1/CUDA0": beat}, [], running, plain, cache=cache)[0]
+    assert (full.queued, full.has_room) == (2, False)
+    room = build_devices({"h1/CUDA0": beat}, [], running, ahead, cache=cache)[0]
+    assert (room.queued, room.has_room) == (1, True)
+    assert room.loaded == full.loaded  # the same engines and sent jobs accounted
+
+
 def test_malformed_model_entries_are_left_out() -> None:
     doc = {"models": {"ok": model(1), "no-size": {"bytes": 1}, "junk": "x"}}
     assert heartbeat_models(doc) == {"ok": ModelFacts(1, (512, 512), 0)}
