@@ -878,15 +878,17 @@ effahead() {
 
 # effahead again after the scheduler's change that followed it: a job claimed ahead no longer
 # fills its device's backlog (sdfarm.scheduler.registry), so the next message is in the queue
-# before the job claimed ahead begins. One slot, 500 jobs of 512x512, twice.
+# before the job claimed ahead begins. One slot, 500 jobs of 512x512, twice (EFF_TAG names
+# the files: backlog, then wake for the run with the claim's wake-up and the longer chains).
 effbacklog() {
     NOPACK=1 ensure
     mkdir -p "$OUT/cuda"
-    efficiency_by SDFARM_LOOKAHEAD backlog 1
+    local tag=${EFF_TAG:-backlog}
+    efficiency_by SDFARM_LOOKAHEAD "$tag" 1
     ( export SDFARM_LOOKAHEAD=1
-      stage 90 efficiency-backlog-again bench/farm_efficiency.py --model "$MODEL" \
-          --device CUDA0 --jobs 500 --size 512 --log-dir "$FARM_LOGS/backlog-again" \
-          --out "$OUT/cuda/cuda-efficiency-500-backlog-again1.json" )
+      stage 90 "efficiency-$tag-again" bench/farm_efficiency.py --model "$MODEL" \
+          --device CUDA0 --jobs 500 --size 512 --log-dir "$FARM_LOGS/$tag-again" \
+          --out "$OUT/cuda/cuda-efficiency-500-$tag-again1.json" )
 }
 
 # Right after effahead (the same build): cuBLAS writing f32 straight from its f16 GEMMs

@@ -279,9 +279,10 @@ class WorkerOps(StoreBase):
         held job. None when the message is stale."""
         claimed = time.time()
         got = self._lua["claim_ahead"](
-            keys=[keys.job_key(job_id), keys.cancel_key(job_id), transport.held_key(device_key)],
-            args=[dispatch, incarnation, worker, taker, repr(claimed)],
-        )
+            keys=[keys.job_key(job_id), keys.cancel_key(job_id), transport.held_key(device_key),
+                  WAKE_KEY, PENDING_COUNT_KEY],
+            args=[dispatch, incarnation, worker, taker, repr(claimed), WAKE_CAP, job_id],
+        )  # fmt: skip
         if not got:
             return None
         spec, created, estimate, cancelled, tiling = got

@@ -13,10 +13,11 @@ the jobs still in the lists are untouched. Celery's priority order is kept (the 
 read in the order its consumer reads them).
 
 A chain ends, handing the slot back to Celery, when the lists are empty, after CHAIN_MAX_JOBS
-jobs or CHAIN_MAX_S seconds (Celery's own bookkeeping gets its turn), or as soon as the worker
-begins to stop: the main process touches its stop file on SIGTERM (`worker_shutting_down`),
-so a stopping worker finishes the job it runs and takes no other. `SDFARM_CHAIN=0` turns
-chaining off.
+jobs or CHAIN_MAX_S seconds (Celery's own bookkeeping gets its turn: the first message's ack;
+each end costs a Celery round, 3-20 ms between two images on the H200, so a chain is long),
+or as soon as the worker begins to stop: the main process touches its stop file on SIGTERM
+(`worker_shutting_down`), so a stopping worker finishes the job it runs and takes no other.
+`SDFARM_CHAIN=0` turns chaining off.
 
 Lookahead (`SDFARM_LOOKAHEAD`, on unless `0`; a worker with one engine slot): just before a
 job's native call the slot takes the next message on its lookahead thread, claims its job
@@ -52,8 +53,8 @@ log = logging.getLogger("sdfarm.worker")
 
 CHAIN_ENV = "SDFARM_CHAIN"
 LOOKAHEAD_ENV = "SDFARM_LOOKAHEAD"
-CHAIN_MAX_JOBS = 100
-CHAIN_MAX_S = 10.0
+CHAIN_MAX_JOBS = 1000
+CHAIN_MAX_S = 60.0
 AHEAD_POLL_S = 0.002
 AHEAD_POLL_MAX_S = 0.1
 

@@ -6,7 +6,7 @@ back, and the scheduler re-places a lost one without an attempt unless it began.
 from __future__ import annotations
 
 from sdfarm.scheduler.dispatch import DispatchConfig, Dispatcher
-from sdfarm.store import JobSpec, Store, transport
+from sdfarm.store import JobSpec, Store, keys, transport
 from sdfarm.store.records import Began, new_dispatch_id
 
 from helpers.leader import HELD, TOKEN
@@ -198,3 +198,18 @@ def test_an_abort_is_charged_to_the_marked_job_and_the_job_before_is_spared(
     attempts = {n: store.record(j).get("attempts", "0") for n, (j, _) in jobs.items()}
     assert attempts == {"finished": "0", "killer": "1", "other": "1"}
     assert not store.record(jobs["finished"][0]).get("spared")  # a new life starts clean
+
+
+def test_a_claim_ahead_wakes_the_scheduler_when_jobs_are_pending(store: Store) -> None:
+    """It leaves room in the device's backlog: the scheduler is told at once, as by a finish,
+    but only when there is something to place."""
+    job_id, dispatch = placed_job(store)
+    store.r.delete(keys.WAKE_KEY)
+    assert store.claim_ahead(job_id, dispatch, DEAD, "w1", DEVICE) is not None
+    assert store.r.llen(keys.WAKE_KEY) == 0  # nothing pending
+    waiting, _, _ = store.submit(JobSpec(model="m", params={"prompt": "next"}), 100)
+    assert waiting is not None
+    other, d2 = placed_job(store, "another")
+    store.r.delete(keys.WAKE_KEY)
+    assert store.claim_ahead(other, d2, DEAD, "w1", DEVICE) is not None
+    assert store.r.lrange(keys.WAKE_KEY, 0, -1) == [other.encode()]
