@@ -776,6 +776,20 @@ peer_eager() {
     fi
 }
 
+# fastest_at_1024 NAME VAR DEFAULT: the value of VAR (DEFAULT where a variant leaves it unset)
+# whose variants of cuda-NAME-options.json have the lowest median time at 1024; DEFAULT when
+# the file does not read.
+fastest_at_1024() {
+    $PY -c "
+import json, statistics
+rows = [r for r in json.load(open('$OUT/cuda/cuda-$1-options.json'))['rows']
+        if r.get('size') == 1024]
+times = {}
+for r in rows:
+    times.setdefault(r['env'].get('$2', '$3'), []).append(r['s_per_image'])
+print(min(times, key=lambda v: statistics.median(times[v])))" 2>/dev/null || echo "$3"
+}
+
 # The tiled im2col (sdfarm.native.sourcepatch) against ggml's kernel in the same build
 # (SDFARM_IM2COL_TILED=0), then the farm under MPS (N=4) at 1024 and 512, 1 step, then the
 # peer's eager batch 1. (The lease of cuda-im2col2-options.json carried a build that also held
@@ -836,12 +850,7 @@ im2colvec() {
         --variant "vec1-again=$CUDA_DIR:SDFARM_IM2COL_VEC=1" \
         --variant "vec4-again=$CUDA_DIR:SDFARM_IM2COL_VEC=4"
     local best
-    best=$($PY -c "
-import json
-rows = [r for r in json.load(open('$OUT/cuda/cuda-im2colvec-options.json'))['rows']
-        if r.get('size') == 1024]
-best = min(rows, key=lambda r: r['s_per_image'])
-print(best['env'].get('SDFARM_IM2COL_VEC', '4'))" 2>/dev/null || echo 4)
+    best=$(fastest_at_1024 im2colvec SDFARM_IM2COL_VEC 4)
     say "the farm with SDFARM_IM2COL_VEC=$best (the fastest at 1024)"
     export SDFARM_IM2COL_VEC=$best
     mps_farm vec-mps 60
@@ -870,10 +879,7 @@ effahead() {
     NOPACK=1 ensure
     mkdir -p "$OUT/cuda"
     efficiency_by SDFARM_LOOKAHEAD ahead 1 0
-    ( export SDFARM_LOOKAHEAD=1
-      stage 90 efficiency-ahead-again bench/farm_efficiency.py --model "$MODEL" --device CUDA0 \
-          --jobs 500 --size 512 --log-dir "$FARM_LOGS/ahead-again" \
-          --out "$OUT/cuda/cuda-efficiency-500-ahead-again1.json" )
+    efficiency_by SDFARM_LOOKAHEAD ahead-again 1
 }
 
 # effahead again after the scheduler's change that followed it: a job claimed ahead no longer
@@ -885,10 +891,7 @@ effbacklog() {
     mkdir -p "$OUT/cuda"
     local tag=${EFF_TAG:-backlog}
     efficiency_by SDFARM_LOOKAHEAD "$tag" 1
-    ( export SDFARM_LOOKAHEAD=1
-      stage 90 "efficiency-$tag-again" bench/farm_efficiency.py --model "$MODEL" \
-          --device CUDA0 --jobs 500 --size 512 --log-dir "$FARM_LOGS/$tag-again" \
-          --out "$OUT/cuda/cuda-efficiency-500-$tag-again1.json" )
+    efficiency_by SDFARM_LOOKAHEAD "$tag-again" 1
 }
 
 # Right after effahead (the same build): cuBLAS writing f32 straight from its f16 GEMMs
@@ -903,13 +906,7 @@ cublas32() {
         --variant "f16out-again=$CUDA_DIR" \
         --variant "f32out-again=$CUDA_DIR:GGML_CUDA_FORCE_CUBLAS_COMPUTE_32F=1"
     local faster
-    faster=$($PY -c "
-import json, statistics
-rows = [r for r in json.load(open('$OUT/cuda/cuda-cublas32-options.json'))['rows']
-        if r.get('size') == 1024]
-f32 = [r['s_per_image'] for r in rows if r['env'].get('GGML_CUDA_FORCE_CUBLAS_COMPUTE_32F')]
-f16 = [r['s_per_image'] for r in rows if not r['env'].get('GGML_CUDA_FORCE_CUBLAS_COMPUTE_32F')]
-print(1 if statistics.median(f32) < statistics.median(f16) else 0)" 2>/dev/null || echo 0)
+    faster=$(fastest_at_1024 cublas32 GGML_CUDA_FORCE_CUBLAS_COMPUTE_32F 0)
     if [ "$faster" = 1 ]; then
         say "the farm with GGML_CUDA_FORCE_CUBLAS_COMPUTE_32F=1 (faster at 1024)"
         export GGML_CUDA_FORCE_CUBLAS_COMPUTE_32F=1
