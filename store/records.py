@@ -29,7 +29,8 @@ upscale job `upscaler:NAME` (`upscaler_key`).
 Result `result:{id}` (hash): `png:0` .. `png:{count-1}` (PNG bytes, each with its parameters in
 a text chunk), `count`, `meta` (JSON: the parameters with the resolved seed, job, model, host,
 device, device_key, backend, sd_version, estimate, fit_plan, warnings, timings {queued_s,
-load_s, warmup_s, generate_s, encode_s}) and `records` (JSON list of {seq, level, message,
+load_s, warmup_s, worker_pre_s, generate_s, encode_s, begun_at: when the worker began the run,
+epoch seconds by its clock}) and `records` (JSON list of {seq, level, message,
 source, location} at the job's log level). A failed job has `meta` (with `error`) and
 `records`, no images.
 

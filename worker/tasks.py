@@ -63,10 +63,6 @@ def run_job(job_id: str, dispatch: str) -> None:
         GATE.open()  # nothing more to start: the helper threads need not hold off
 
 
-def _now(fn: Callable[[], Any]) -> None:
-    fn()
-
-
 class NotAhead(Exception):
     """A job that cannot be prepared ahead (its engine is not the one loaded): it is prepared
     when it starts."""
@@ -268,8 +264,10 @@ class JobRun:
         self.ctx.start_mark.write(self.job_id, self.dispatch)
         if hooks.test_hooks_enabled():
             self._abort_at_start_hook()
-        run_ahead = self.links.run_ahead if self.links is not None else _now
-        run_ahead(self._record_start)
+        if self.links is not None:
+            self.links.run_ahead(self._record_start)
+        else:  # not chained: nothing claims ahead then, but the start is still written
+            self._record_start()
 
     def _abort_at_start_hook(self) -> None:
         """The test hook "abort-at-start": the process ends as the job begins, its start
