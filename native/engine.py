@@ -72,6 +72,10 @@ from sdfarm.native.video import (
 )
 from sdfarm.native.video_params import VideoParams
 
+Watch = tuple[Callable[[int, int, float], None], threading.Event]
+"""One call for the progress watcher: the progress callback, and the event set when the call
+returns."""
+
 WARMUP = GenerationParams(prompt="warm-up", width=64, height=64, steps=1, seed=1)
 
 
@@ -289,7 +293,7 @@ class Engine:
         self._poisoned: str | None = None
         self._pending: list[logs.LogRecord] = []
         self.native_calls = 0  # generate/load calls into the runtime (tests assert on it)
-        self._watcher: queue.SimpleQueue[tuple[Callable[..., None], threading.Event]] | None = None
+        self._watcher: queue.SimpleQueue[Watch | None] | None = None
         self.last_call: dict[str, Any] = {}  # the last generation's parameters, read back
         self.model_hash: str | None = None  # set once the runtime has loaded the model
 
@@ -640,18 +644,16 @@ class Engine:
             "preview_mode": self._previews.config()[0],
         }
 
-    def _progress_watcher(self) -> queue.SimpleQueue[tuple[Callable[..., None], threading.Event]]:
-        """The queue of this engine's progress watcher: one thread for the engine's life,
-        which watches each call's progress in turn (a thread started and joined per call
-        cost its time on the path of every image)."""
+    def _progress_watcher(self) -> queue.SimpleQueue[Watch | None]:
+        """The queue of this engine's progress watcher: one thread for the engine's life
+        (until `dispose`), which watches each call's progress in turn (a thread started and
+        joined per call cost its time on the path of every image)."""
         if self._watcher is None:
-            calls: queue.SimpleQueue[tuple[Callable[..., None], threading.Event]]
-            calls = queue.SimpleQueue()
+            calls: queue.SimpleQueue[Watch | None] = queue.SimpleQueue()
 
             def watch() -> None:
-                while True:
-                    progress, done = calls.get()
-                    self._watch_progress(progress, None, done)
+                while (call := calls.get()) is not None:
+                    self._watch_progress(call[0], None, call[1])
 
             threading.Thread(target=watch, name="sdfarm-progress", daemon=True).start()
             self._watcher = calls
@@ -995,7 +997,11 @@ class Engine:
         return self._take_records([])
 
     def dispose(self) -> list[logs.LogRecord]:
-        """Free the context; returns the records logged since the last drain."""
+        """Free the context (and end the progress watcher); returns the records logged since
+        the last drain."""
+        if self._watcher is not None:
+            self._watcher.put(None)
+            self._watcher = None
         if self._ctx is not None:
             with Engine._native_lock:
                 self._lib.free_sd_ctx(self._ctx)

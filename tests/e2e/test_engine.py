@@ -4,6 +4,8 @@ parameters and the log ring. Every test runs in this process: none of these may 
 from __future__ import annotations
 
 import io
+import threading
+import time
 
 import pytest
 
@@ -184,3 +186,44 @@ def test_png_carries_the_parameters(engine):
     from PIL import Image
 
     assert Image.open(io.BytesIO(data)).size == (64, 64)
+
+
+def test_a_generation_prepared_while_another_waits_changes_nothing_of_it(models_dir):
+    """The worker prepares the next job while the current one runs (sdfarm.worker.chain):
+    a preparation holds nothing in the engine, so one made in between (here with a LoRA)
+    leaves the call prepared before it as it was, and each gives what `generate` gives."""
+    from sdfarm.native.loras import LoraCatalog, lora_dirs
+    from sdfarm.native.testmodel import TEST_LORA
+
+    lora = LoraCatalog(lora_dirs([models_dir])).load(TEST_LORA)
+    plain = GenerationParams(prompt="a lighthouse", seed=7, **SMALL)
+    styled = GenerationParams(prompt="a lighthouse", seed=7, loras=((TEST_LORA, 1.0),), **SMALL)
+    with Engine.load(models_dir / "tiny-f16") as e:
+        first = e.prepare(plain)
+        second = e.prepare(styled, loras={TEST_LORA: lora})
+        a = e.run_prepared(first).finish()
+        b = e.run_prepared(second).finish()
+        assert a.image.tobytes() == e.generate(plain).image.tobytes()
+        again = e.generate(styled, loras={TEST_LORA: lora}).image.tobytes()
+        assert b.image.tobytes() == again != a.image.tobytes()
+        assert "lora_hashes" not in a.metadata and TEST_LORA in b.metadata["lora_hashes"]
+        assert e.native_calls == 5  # the load, then four generations: none while preparing
+
+
+def test_one_progress_watcher_per_engine_which_ends_with_it(tiny_models):
+    def watchers() -> list[threading.Thread]:
+        return [t for t in threading.enumerate() if t.name == "sdfarm-progress"]
+
+    before = len(watchers())
+    steps: list[tuple[int, int]] = []
+    e = Engine.load(tiny_models[0])
+    for seed in (1, 2, 3):
+        params = GenerationParams(prompt="x", seed=seed, width=64, height=64, steps=2)
+        e.generate(params, progress=lambda step, n, _s: steps.append((step, n)))
+    assert len(watchers()) == before + 1  # one thread for three calls
+    assert steps and all(n == 2 for _, n in steps)
+    e.dispose()
+    deadline = time.monotonic() + 5
+    while len(watchers()) > before and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(watchers()) == before
