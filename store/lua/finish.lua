@@ -12,12 +12,19 @@
 --       nothing), generate seconds ('' when none), n (how many job field ARGVs follow), the n
 --       job field ARGVs (name, value pairs), then the result's images (png:0, bytes, ...)
 -- Returns 1 ended, 0 not ours.
-local cur = redis.call('HMGET', KEYS[1], 'state', 'dispatch')
+local cur = redis.call('HMGET', KEYS[1], 'state', 'dispatch', 'ahead', 'incarnation', 'worker')
 if cur[1] ~= 'running' or cur[2] ~= ARGV[1] then
   return 0
 end
 local ttl = tonumber(ARGV[7])
 local n = tonumber(ARGV[16])
+if cur[3] and cur[3] ~= '' then
+  -- Claimed ahead, and its start never reached Redis (start.lua failed, or was lost with a
+  -- master that died before its replica had it): it ran, so its run is recorded here.
+  redis.call('HSET', KEYS[1], 'started', cur[3])
+  log(KEYS[4], cjson.encode({event = 'running', t = tonumber(cur[3]), incarnation = cur[4],
+                             worker = cur[5], recorded = 'at its end'}), ARGV[6], ttl)
+end
 redis.call('HSET', KEYS[1], 'state', ARGV[2], 'error', ARGV[3], 'ended', ARGV[4])
 redis.call('HDEL', KEYS[1], 'ahead', 'spared')
 if n > 0 then

@@ -213,3 +213,27 @@ def test_a_claim_ahead_wakes_the_scheduler_when_jobs_are_pending(store: Store) -
     store.r.delete(keys.WAKE_KEY)
     assert store.claim_ahead(other, d2, DEAD, "w1", DEVICE) is not None
     assert store.r.lrange(keys.WAKE_KEY, 0, -1) == [other.encode()]
+
+
+def test_a_job_whose_start_never_reached_redis_is_recorded_as_run_at_its_finish(
+    store: Store,
+) -> None:
+    """Its start write failed, or was lost with a master that died before its replica had it
+    (a Sentinel failover): the job ran, so its finish writes the running event it lacks, once,
+    before its end."""
+    job_id, dispatch = placed_job(store)
+    claim = store.claim_ahead(job_id, dispatch, DEAD, "w1", DEVICE)
+    assert claim is not None
+    assert store.finish(job_id, dispatch, DEVICE, "done", meta={}, pngs=[b"x"])
+    kinds = [e["event"] for e in store.events(job_id)]
+    assert kinds.count("running") == 1 and kinds[-2:] == ["running", "done"]
+    running = next(e for e in store.events(job_id) if e["event"] == "running")
+    assert running["incarnation"] == DEAD and running["recorded"] == "at its end"
+    rec = store.record(job_id)
+    assert rec["started"] and "ahead" not in rec
+    # a job whose start did reach Redis gets no second running event
+    other, d2 = placed_job(store, "started")
+    assert store.claim_ahead(other, d2, DEAD, "w1", DEVICE) is not None
+    assert store.start(other, d2, DEAD, "w1") is False
+    assert store.finish(other, d2, DEVICE, "done", meta={}, pngs=[b"x"])
+    assert [e["event"] for e in store.events(other)].count("running") == 1
