@@ -168,7 +168,7 @@ class JobRun:
             self.ctx.uploader.flush(10.0)
             log.warning("test hook: aborting the process in job %s", self.job_id)
             os.abort()
-        if claimed.cancelled:
+        if claimed.cancelled or self._cancel_at_start:
             self._end("cancelled")
             return
         try:
@@ -243,6 +243,7 @@ class JobRun:
         if claim is None:
             return  # a stale message: dropped when it comes up
         self._claimed_ahead = claim
+        cancel_watch().ahead = self
         try:
             doc = json.loads(claim.spec or "{}")
             if not isinstance(doc, dict) or hooks.test_hook(doc):
@@ -262,6 +263,9 @@ class JobRun:
         the lookahead thread, off the path (`store.start`)."""
         self._began = True
         self.ctx.start_mark.write(self.job_id, self.dispatch)
+        watch = cancel_watch()
+        if watch.ahead is self:
+            watch.ahead = None
         if hooks.test_hooks_enabled():
             self._abort_at_start_hook()
         if self.links is not None:
@@ -324,6 +328,9 @@ class JobRun:
         self.discard_ahead()
         if self._claimed_ahead is None or self._began:
             return
+        watch = cancel_watch()
+        if watch.ahead is self:
+            watch.ahead = None
         ctx = self.ctx
         try:
             self.store.unclaim(self.job_id, self.dispatch, ctx.config.device_key, str(ctx.slot))
@@ -591,11 +598,14 @@ class CancelWatch:
     """Polls `cancel:{id}` while a job runs native code (or sleeps in a test hook): the
     engine's progress callback only fires per step, and a step can take minutes. One thread
     per worker process, started with its first job: a thread start per job cost about 0.3 ms
-    on the path of every job."""
+    on the path of every job. It polls the job claimed ahead too (`ahead`): a cancel of that
+    one, found before it begins, ends it without a native call (found after, the process
+    ends, as for any running job)."""
 
     def __init__(self) -> None:
         self.pid = os.getpid()
         self._job: JobRun | None = None
+        self.ahead: JobRun | None = None  # the job claimed ahead, until its run begins
         self._cond = threading.Condition()
         self._thread = threading.Thread(target=self._run, name="sdfarm-cancel", daemon=True)
         self._thread.start()
@@ -625,6 +635,9 @@ class CancelWatch:
             try:
                 if job._cancel_requested():
                     job.cancel_running()
+                ahead = self.ahead
+                if ahead is not None and ahead._cancel_requested():
+                    ahead._cancel_at_start = True
             except Exception as exc:  # noqa: BLE001 - keep watching through a Redis blip
                 log.warning("cancel check failed: %s", exc)
 

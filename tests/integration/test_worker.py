@@ -409,6 +409,32 @@ def test_a_job_taken_ahead_by_a_process_that_dies_runs_on_its_successor(
     assert farm.job(nxt).get("attempts", "0") == "0"
 
 
+def test_a_cancel_of_the_job_claimed_ahead_ends_it_and_the_process_lives_on(
+    farm: Farm, hooked: Worker
+) -> None:
+    """The next job was claimed ahead during the one before; a cancel of it, seen by the
+    cancel watch before it begins, ends it without a native call: no process is lost for a
+    job that had not started."""
+    warm = farm.place(hooked)
+    assert farm.wait(warm) == "done"
+    before = hooked.heartbeat()["incarnation"]
+    first = farm.place(hooked, test_hook="ahead-sleep:1.5", send=False)
+    nxt = farm.place(hooked, {**SMALL, "seed": 51}, send=False)
+    for job in (first, nxt):
+        transport.send(farm.app, job, farm.job(job)["dispatch"], hooked.key)
+    deadline = time.monotonic() + 20
+    while not farm.job(nxt).get("ahead"):
+        assert time.monotonic() < deadline, "the next job was not claimed ahead"
+        time.sleep(0.02)
+    assert farm.store.cancel(nxt) == 2
+    assert farm.wait(first) == "done"
+    assert farm.wait(nxt) == "cancelled"
+    assert hooked.heartbeat()["incarnation"] == before  # the same process
+    after = farm.place(hooked, {**SMALL, "seed": 52})
+    assert farm.wait(after) == "done"
+    assert hooked.heartbeat()["incarnation"] == before
+
+
 def test_a_job_claimed_ahead_that_aborts_its_process_is_charged_with_the_abort(
     farm: Farm, hooked: Worker
 ) -> None:
