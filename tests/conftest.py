@@ -32,6 +32,11 @@ HEAVY_FIRST = (
     "tests/e2e/test_controlnet.py",
     "tests/e2e/test_vae_tiling.py",
     "tests/e2e/test_controlnet_farm.py",
+    "tests/integration/test_sentinel.py",
+    "tests/e2e/test_job_schema.py",
+    "tests/integration/test_gateway_waiters.py",
+    "tests/integration/test_worker.py",
+    "tests/e2e/test_batch.py",
 )
 """The longest test files (CI's --durations), run first. `./dev test` gives each of two
 processes whole files in the order collected (pytest-xdist --dist loadfile): with the longest
