@@ -70,10 +70,9 @@ class NotAhead(Exception):
 
 @dataclass
 class Ahead:
-    """A job prepared during the native call before it: its claim (taken ahead), its spec,
-    its engine (held) and its call."""
+    """A job prepared during the native call before it, from its claim taken ahead: its
+    spec, its engine (held) and its call."""
 
-    claim: Claim
     spec: JobSpec
     engine: Any
     call: Callable[[], Any]
@@ -172,7 +171,7 @@ class JobRun:
             self._end("cancelled")
             return
         try:
-            if (ahead := self._take_ahead(claimed)) is not None:
+            if (ahead := self._take_ahead()) is not None:
                 spec, engine, call = ahead.spec, ahead.engine, ahead.call
                 self.meta["ahead"] = True  # prepared during the native call before it
             else:
@@ -251,7 +250,7 @@ class JobRun:
             spec = _job_spec(doc)
             self._loaded_only = True
             engine, call = self._prepare(spec, claim)
-            self._ahead = Ahead(claim, spec, engine, call)
+            self._ahead = Ahead(spec, engine, call)
         except Exception as exc:  # noqa: BLE001 - prepared again, and reported, at its start
             log.debug("job %s not prepared ahead: %s", self.job_id, exc)
         finally:
@@ -300,17 +299,13 @@ class JobRun:
         if cancelled:
             self._cancel_at_start = True
 
-    def _take_ahead(self, claimed: Claim) -> Ahead | None:
-        """The job as prepared ahead, when its claim reads what the preparation read and its
+    def _take_ahead(self) -> Ahead | None:
+        """The job as prepared ahead (from the claim it runs under, taken ahead), when its
         engine is still loaded and usable; otherwise None (and the engine released)."""
         ahead, self._ahead = self._ahead, None
         if ahead is None:
             return None
-        was = ahead.claim
-        same = (claimed.spec, claimed.estimate, claimed.tiling) == (
-            was.spec, was.estimate, was.tiling,
-        )  # fmt: skip
-        if same and self.ctx.cache.holds(ahead.spec.model, ahead.engine):
+        if self.ctx.cache.holds(ahead.spec.model, ahead.engine):
             return ahead
         self.ctx.cache.release(ahead.spec.model)
         return None
