@@ -20,7 +20,7 @@ from typing import Any
 
 from PIL import Image
 
-from sdfarm.native import images, logs, memory
+from sdfarm.native import cudnn, images, logs, memory
 from sdfarm.native.backendlimits import cuda_size_error, vulkan_attention_error
 from sdfarm.native.controlnets import (
     ARCH_CONTEXT,
@@ -51,6 +51,7 @@ from sdfarm.native.estimate import (
     ModelFacts,
     model_facts,
     upscaler_facts,
+    use_diffusion_conv_direct,
     use_vae_conv_direct,
 )
 from sdfarm.native.filehash import lora_hash, model_hash
@@ -422,6 +423,7 @@ class Engine:
         p.n_threads = self._threads
         p.diffusion_flash_attn = True
         p.vae_conv_direct = use_vae_conv_direct(self.decoder, self.capabilities_device)
+        p.diffusion_conv_direct = use_diffusion_conv_direct(self.capabilities_device)
         p.keep_clip_on_cpu = self.fit.keep_clip_on_cpu
         p.keep_vae_on_cpu = self.fit.keep_vae_on_cpu
         p.offload_params_to_cpu = self.fit.offload_params_to_cpu
@@ -433,7 +435,11 @@ class Engine:
 
     def _env_device(self, compute: Device, figs: HostFigures, pinned: str | None) -> None:
         """master-596 selects devices only through environment variables: point SD_VK_DEVICE
-        at the chosen Vulkan device unless the user or the worker already pinned one."""
+        at the chosen Vulkan device unless the user or the worker already pinned one. On CUDA
+        name the cuDNN the estimate counted on to our build's convolution (SDFARM_CUDNN: a
+        path, or 0), so the runtime never opens another."""
+        if compute.name.startswith("CUDA"):
+            cudnn.export()
         if pinned or "SD_VK_DEVICE" in figs.env:
             return
         if compute.name.startswith("Vulkan"):

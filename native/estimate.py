@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-from sdfarm.native import memory
+from sdfarm.native import cudnn, memory
 from sdfarm.native.devices import Device
 from sdfarm.native.drawsize import round_up, size_multiple
 from sdfarm.native.params import SIZE_STEP
@@ -285,26 +285,41 @@ def context_bytes(device: Device) -> int:
 
 
 def use_conv_direct(device: str) -> bool:
-    """Direct convolution (no im2col buffer) everywhere but CUDA, where ggml's direct
-    convolution is several times slower (see use_vae_conv_direct). `SDFARM_VAE_CONV_DIRECT=0|1`
-    overrides, for measurements."""
+    """Direct convolution (no im2col buffer): everywhere but CUDA, and on CUDA where the
+    operator named a cuDNN (sdfarm.native.cudnn, experimental), which our CUDA build runs it
+    through. ggml's own CUDA direct convolution is 27x slower than im2col (see
+    use_vae_conv_direct), so a CUDA engine without cuDNN keeps im2col.
+    `SDFARM_VAE_CONV_DIRECT=0|1` overrides, for measurements."""
     forced = os.environ.get("SDFARM_VAE_CONV_DIRECT")
     if forced in ("0", "1"):
         return forced == "1"
-    return not device.startswith("CUDA")
+    return not device.startswith("CUDA") or cudnn.library() is not None
 
 
 def use_vae_conv_direct(decoder: str, device: str) -> bool:
     """Direct VAE convolution keeps the full VAE's decode inside the estimate on the CPU
     (facts: 3.14 vs 4.06 GiB at 512x512) and costs nothing on Vulkan (0.30 s per 512x512
-    image on the H200), but ggml's CUDA direct convolution made the full-size model's
-    512x512 image take 2.02 s against 0.28 s without it (bench/results/gpu), so CUDA uses the
-    im2col path. TAESD's decode (`decoder` taesd) is small either way and runs 2x slower with
-    it on the CPU. `SDFARM_VAE_CONV_DIRECT=0|1` overrides, for measurements."""
+    image on the H200). On CUDA it runs through cuDNN when one is named (use_conv_direct);
+    ggml's own CUDA direct convolution made the full-size model's 512x512 image take 2.02 s
+    against 0.28 s without it (bench/results/gpu). TAESD's decode (`decoder` taesd) is small
+    either way and runs 2x slower with it on the CPU. `SDFARM_VAE_CONV_DIRECT=0|1` overrides,
+    for measurements."""
     forced = os.environ.get("SDFARM_VAE_CONV_DIRECT")
     if forced in ("0", "1"):
         return forced == "1"
     return decoder != "taesd" and use_conv_direct(device)
+
+
+def use_diffusion_conv_direct(device: str) -> bool:
+    """Direct convolution in the diffusion model: only on CUDA with a named cuDNN (our
+    build's convolution there, 3x3 and 1x1 alike, reads its input once where im2col writes it
+    nine times). Elsewhere the diffusion model keeps the runtime's im2col, as it always has (the
+    CPU's direct convolution is the slower one there). `SDFARM_UNET_CONV_DIRECT=0|1`
+    overrides, for measurements."""
+    forced = os.environ.get("SDFARM_UNET_CONV_DIRECT")
+    if forced in ("0", "1"):
+        return forced == "1"
+    return device.startswith("CUDA") and cudnn.library() is not None
 
 
 def decode_attention_bytes(width: int, height: int) -> int:
@@ -329,14 +344,28 @@ measured. On the H200 the SD-Turbo-class model decoding with TAESD (im2col, CUDA
 needed 10 KiB a pixel more (memory.IM2COL_DECODE_BYTES_PER_PIXEL)."""
 
 
+CUDNN_DECODE_BYTES_PER_PIXEL = 1536
+"""A full-VAE decode's working memory per output pixel beyond the seed's estimate when its
+convolutions run through cuDNN (native/patches/conv2d_cudnn.cuh, experimental): each
+convolution's f16 copy of its input and its f16 output, from ggml's memory pool beside the
+compute graph; the largest, the SD VAE's 256-channel upsampling convolution at the output
+size, is 512 + 512 bytes a pixel, and half as much again covers cuDNN's workspace (64 MiB at
+most) and ggml's direct path, which peaked up to 5% over the seed's estimate on CUDA
+(docs/gpu.md). Counted from the shapes, not measured: the path crashed before its first
+image on the H200."""
+
+
 def decode_bytes_per_pixel(decoder: str, device: Device) -> int:
     """Decode working memory per output pixel beyond the seed's estimate of an engine
-    decoding with `decoder` (vae or taesd): the full VAE without direct convolution on a GPU
-    (memory.IM2COL_DECODE_BYTES_PER_PIXEL); TAESD_DECODE_BYTES_PER_PIXEL for TAESD; else 0."""
+    decoding with `decoder` (vae or taesd): TAESD_DECODE_BYTES_PER_PIXEL for TAESD; on a GPU
+    the full VAE through im2col (memory.IM2COL_DECODE_BYTES_PER_PIXEL) or, on CUDA, through
+    cuDNN (CUDNN_DECODE_BYTES_PER_PIXEL); else 0."""
     if decoder == "taesd":
         return TAESD_DECODE_BYTES_PER_PIXEL
-    if device.type == "cpu" or use_vae_conv_direct(decoder, device.name):
+    if device.type == "cpu":
         return 0
+    if use_vae_conv_direct(decoder, device.name):
+        return CUDNN_DECODE_BYTES_PER_PIXEL if device.name.startswith("CUDA") else 0
     return memory.IM2COL_DECODE_BYTES_PER_PIXEL
 
 

@@ -6,7 +6,7 @@ exactly once fails the build by name, so a different source can never be half-pa
 build's cache key includes the patches that apply, so a changed patch is a new build, and a
 backend no patch touches keeps its key.
 
-Two patches, both CUDA only:
+Three patches, all CUDA only:
 - a tiled im2col (`patches/im2col_tiled.cuh`): the same values at the same places, read along
   the input rows. On an H200 ggml's kernel was 186 of the 274 ms of a 1024x1024 VAE decode; with
   the tiled one a 1024x1024 image takes 281-284 ms instead of 438-443, the same pixels
@@ -18,7 +18,13 @@ Two patches, both CUDA only:
   ggml's were 30.7 ms (group norm) + 20.2 ms (broadcasts) of a 1024x1024 image's 341.5 ms of
   kernels; with it 1024x1024 is 145.8 ms of kernels. Its sums are taken in another order, so
   pixels move by a rounding: on the H200 a third of the 8-bit values, by at most 4 of 255
-  (PSNR 52 dB). `SDFARM_GROUPNORM_SPLIT=0` switches back to ggml's kernels.
+  (PSNR 52 dB). `SDFARM_GROUPNORM_SPLIT=0` switches back to ggml's kernels. The silu that
+  follows a resnet's norm is taken into the same pass (ggml's silu, the same pixels on the
+  H200; `SDFARM_GN_SILU=0` leaves it to ggml's kernel).
+- convolutions through cuDNN (`patches/conv2d_cudnn.cuh`), EXPERIMENTAL and inert unless
+  `SDFARM_CUDNN` names a libcudnn.so.9: ggml's direct convolution node run by cuDNN's implicit
+  GEMM, with its bias add. On the H200 the runtime's process crashed inside cuDNN's
+  heuristics, where a bare process ran the same calls (docs/gpu.md).
 """
 
 from __future__ import annotations
@@ -57,6 +63,8 @@ IM2COL = "ggml/src/ggml-cuda/im2col.cu"
 NORM = "ggml/src/ggml-cuda/norm.cu"
 NORM_H = "ggml/src/ggml-cuda/norm.cuh"
 GRAPH = "ggml/src/ggml-cuda/ggml-cuda.cu"
+CONV = "ggml/src/ggml-cuda/conv2d.cu"
+CONV_H = "ggml/src/ggml-cuda/conv2d.cuh"
 
 
 def after(path: str, anchor: str, text: str) -> Edit:
@@ -75,6 +83,19 @@ GN_FUSION = (
     "                    if (node->op == GGML_OP_GROUP_NORM) {\n"
     "                        const int sdfarm_last =\n"
     "                            sdfarm_group_norm_fuse(*cuda_ctx, cgraph, i);\n"
+    "                        if (sdfarm_last > i) {\n"
+    "                            i = sdfarm_last;\n"
+    "                            continue;\n"
+    "                        }\n"
+    "                    }\n"
+)
+
+# The convolution and its bias add, through cuDNN, likewise (sdfarm_conv2d_fuse: the add's index,
+# or -1 when cuDNN is off or refuses it).
+CONV_FUSION = (
+    "                    if (node->op == GGML_OP_CONV_2D) {\n"
+    "                        const int sdfarm_last =\n"
+    "                            sdfarm_conv2d_fuse(*cuda_ctx, cgraph, i);\n"
     "                        if (sdfarm_last > i) {\n"
     "                            i = sdfarm_last;\n"
     "                            continue;\n"
@@ -104,7 +125,10 @@ PATCHES: tuple[Patch, ...] = (
     Patch(
         name="ggml-cuda-group-norm-split",
         backends=frozenset({"cuda"}),
-        adds={"ggml/src/ggml-cuda/group_norm_split.cuh": "group_norm_split.cuh"},
+        adds={
+            "ggml/src/ggml-cuda/group_norm_split.cuh": "group_norm_split.cuh",
+            "ggml/src/ggml-cuda/sdfarm_graph.cuh": "sdfarm_graph.cuh",
+        },
         edits=(
             after(NORM, '#include "norm.cuh"\n', '#include "group_norm_split.cuh"\n'),
             after(
@@ -123,6 +147,29 @@ PATCHES: tuple[Patch, ...] = (
                 " ggml_cgraph * cgraph, int i);\n",
             ),
             after(GRAPH, "                if (!disable_fusion) {\n", GN_FUSION),
+        ),
+    ),
+    Patch(
+        name="ggml-cuda-conv2d-cudnn",
+        backends=frozenset({"cuda"}),
+        adds={
+            "ggml/src/ggml-cuda/conv2d_cudnn.cuh": "conv2d_cudnn.cuh",
+            "ggml/src/ggml-cuda/sdfarm_graph.cuh": "sdfarm_graph.cuh",
+        },
+        edits=(
+            after(CONV, '#include "convert.cuh"\n', '#include "conv2d_cudnn.cuh"\n'),
+            after(
+                CONV,
+                "void ggml_cuda_op_conv2d(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {\n",
+                "    if (sdfarm_cudnn_conv2d(ctx, dst, dst, nullptr)) {\n        return;\n    }\n",
+            ),
+            after(
+                CONV_H,
+                "void ggml_cuda_op_conv2d(ggml_backend_cuda_context & ctx, ggml_tensor * dst);\n",
+                "int sdfarm_conv2d_fuse("
+                "ggml_backend_cuda_context & ctx, ggml_cgraph * cgraph, int i);\n",
+            ),
+            before(GRAPH, "                    ggml_cuda_topk_moe_args args;\n", CONV_FUSION),
         ),
     ),
 )

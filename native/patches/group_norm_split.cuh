@@ -102,14 +102,15 @@ static __host__ __device__ __forceinline__ void sdfarm_gn_stats(
 }
 
 // One thread's writes over [a, b): (x - mean) * scale, then * w[ch] and + bias[ch] where given
-// (each rounded on its own, as ggml's group_norm, mul and add kernels round). The channel of
+// (each rounded on its own, as ggml's group_norm, mul and add kernels round), then silu'd
+// when `silu` (as ggml's silu kernel computes it). The channel of
 // element j of group g is (g % groups_per_image) * ch_per_group + (j - start) / plane, divided
 // once and then carried along the thread's stride (a division per element cost more than the
 // memory traffic).
 static __host__ __device__ __forceinline__ void sdfarm_gn_thread_apply(
         const float * x, float * dst, const float * w, const float * bias, int64_t a, int64_t b,
         int64_t g, int64_t group_size, int64_t plane, int64_t ch_per_group,
-        int64_t groups_per_image, float mean, float scale, int tid, int nt) {
+        int64_t groups_per_image, float mean, float scale, bool silu, int tid, int nt) {
     const int64_t start = g * group_size;
     int64_t ch = (g % groups_per_image) * ch_per_group + (a + tid - start) / plane;
     int64_t rem = (a + tid - start) % plane;
@@ -119,11 +120,17 @@ static __host__ __device__ __forceinline__ void sdfarm_gn_thread_apply(
         if (w != nullptr) {
             v = __fadd_rn(__fmul_rn(v, w[ch]), bias[ch]);
         }
+        if (silu) {
+            v = v / (1.0f + expf(-v));  // ggml_cuda_op_silu_single, compiled as unary.cu is
+        }
 #else
         volatile float v = (x[j] - mean) * scale;
         if (w != nullptr) {
             volatile float t = v * w[ch];
             v = t + bias[ch];
+        }
+        if (silu) {
+            v = v / (1.0f + std::exp(-v));
         }
 #endif
         dst[j] = v;
@@ -135,38 +142,27 @@ static __host__ __device__ __forceinline__ void sdfarm_gn_thread_apply(
 
 // The graph walk of the fusion, outside CUDA too (the test builds a graph with the pinned ggml
 // on the host and asks it): needs ggml-impl.h, which norm.cu has through common.cuh.
-#if defined(__CUDACC__) || defined(SDFARM_GN_HOST_GRAPH)
-// Whether a graph node computes nothing (the graph loop of ggml-cuda.cu skips these too).
-static bool sdfarm_gn_computes_nothing(const ggml_tensor * t) {
-    return ggml_is_empty(t) || t->op == GGML_OP_RESHAPE || t->op == GGML_OP_TRANSPOSE ||
-           t->op == GGML_OP_VIEW || t->op == GGML_OP_PERMUTE || t->op == GGML_OP_NONE;
-}
+#if defined(SDFARM_GN_HOST_GRAPH) && !defined(SDFARM_HOST_GRAPH)
+#define SDFARM_HOST_GRAPH 1
+#endif
+#include "sdfarm_graph.cuh"
 
-// Whether node idx of the graph is read by exactly one node and nowhere else: ggml's own
-// ggml_node_has_n_uses, except that it allows a node to be an in-place view of `base` (the
-// mul and the add of ggml_ext_group_norm are in place, so the mul is a view of the group
-// norm's tensor; any other view of that tensor is a use of the group norm or of the mul, and
-// is counted there).
-static bool sdfarm_gn_one_use(const ggml_cgraph * cgraph, int idx, const ggml_tensor * base) {
-    const ggml_tensor * t = cgraph->nodes[idx];
-    return ggml_node_get_use_count(cgraph, idx) == 1 &&
-           (t->view_src == nullptr || t->view_src == base) && (t->flags & GGML_TENSOR_FLAG_OUTPUT) == 0;
-}
-
+#if defined(__CUDACC__) || defined(SDFARM_HOST_GRAPH)
 // ggml_ext_group_norm's nodes from the group norm at i: idx = {the group norm, the mul by the
-// weight, the add of the bias}. Between them the graph holds the reshapes of the weight and
-// the bias ([C] -> [1, 1, C, 1]; a mul's second source is visited after its first), which
-// compute nothing and are stepped over. The group norm and the mul must have no other use
-// (ggml_can_fuse_ext's rule, which refuses the in-place mul outright: sdfarm_gn_one_use).
-static bool sdfarm_gn_fusion_nodes(const ggml_cgraph * cgraph, int i, int idx[3]) {
+// weight, the add of the bias[, a silu]}; returns how many (3 or 4), or 0 where they do not
+// fuse. Between them the graph holds the reshapes of the weight and the bias ([C] -> [1, 1,
+// C, 1]; a mul's second source is visited after its first), which compute nothing and are
+// stepped over. The group norm and the mul must have no other use (ggml_can_fuse_ext's rule,
+// which refuses the in-place mul outright: sdfarm_one_use). A silu right after the add
+// (stable-diffusion.cpp's resnet blocks: norm, then silu in place) joins when the add has no
+// other use and `with_silu`.
+static int sdfarm_gn_fusion_nodes(const ggml_cgraph * cgraph, int i, int idx[4], bool with_silu = true) {
     idx[0] = i;
     int j = i + 1;
     for (int k = 1; k < 3; k++) {
-        while (j < cgraph->n_nodes && sdfarm_gn_computes_nothing(cgraph->nodes[j])) {
-            j++;
-        }
+        j = sdfarm_next_computing(cgraph, j);
         if (j >= cgraph->n_nodes) {
-            return false;
+            return 0;
         }
         idx[k] = j++;
     }
@@ -175,13 +171,29 @@ static bool sdfarm_gn_fusion_nodes(const ggml_cgraph * cgraph, int i, int idx[3]
     const ggml_tensor * add = cgraph->nodes[idx[2]];
     for (const ggml_tensor * t : {gn, mul, add}) {
         if ((t->flags & GGML_TENSOR_FLAG_COMPUTE) == 0) {
-            return false;
+            return 0;
         }
     }
-    return gn->op == GGML_OP_GROUP_NORM && mul->op == GGML_OP_MUL && add->op == GGML_OP_ADD &&
-           mul->src[0] == gn && add->src[0] == mul &&
-           ggml_are_same_shape(mul, gn) && ggml_are_same_shape(add, mul) &&
-           sdfarm_gn_one_use(cgraph, idx[0], nullptr) && sdfarm_gn_one_use(cgraph, idx[1], gn);
+    const bool fuse = gn->op == GGML_OP_GROUP_NORM && mul->op == GGML_OP_MUL && add->op == GGML_OP_ADD &&
+                      mul->src[0] == gn && add->src[0] == mul &&
+                      ggml_are_same_shape(mul, gn) && ggml_are_same_shape(add, mul) &&
+                      sdfarm_one_use(cgraph, idx[0], nullptr) && sdfarm_one_use(cgraph, idx[1], gn);
+    if (!fuse) {
+        return 0;
+    }
+    j = sdfarm_next_computing(cgraph, j);
+    if (!with_silu || j >= cgraph->n_nodes) {
+        return 3;
+    }
+    const ggml_tensor * act = cgraph->nodes[j];
+    const bool silu = act->op == GGML_OP_UNARY && ggml_get_unary_op(act) == GGML_UNARY_OP_SILU &&
+                      act->src[0] == add && ggml_are_same_shape(act, add) &&
+                      (act->flags & GGML_TENSOR_FLAG_COMPUTE) != 0 && sdfarm_one_use(cgraph, idx[2], gn);
+    if (!silu) {
+        return 3;
+    }
+    idx[3] = j;
+    return 4;
 }
 #endif
 
@@ -221,7 +233,7 @@ static __global__ void sdfarm_gn_sums_kernel(
 static __global__ void sdfarm_gn_apply_kernel(
         const float * x, float * dst, const float * w, const float * bias,
         const sdfarm_gn_part * part, int64_t group_size, int64_t ne, int chunks, int64_t plane,
-        int64_t ch_per_group, int64_t groups_per_image, float eps) {
+        int64_t ch_per_group, int64_t groups_per_image, float eps, bool silu) {
     __shared__ float s_mean, s_scale;
     const int64_t g = blockIdx.y;
     if (threadIdx.x == 0) {
@@ -231,25 +243,33 @@ static __global__ void sdfarm_gn_apply_kernel(
     int64_t a, b;
     sdfarm_gn_range(g, blockIdx.x, group_size, ne, chunks, &a, &b);
     sdfarm_gn_thread_apply(x, dst, w, bias, a, b, g, group_size, plane, ch_per_group,
-                           groups_per_image, s_mean, s_scale, threadIdx.x, blockDim.x);
+                           groups_per_image, s_mean, s_scale, silu, threadIdx.x, blockDim.x);
+}
+
+static bool sdfarm_gn_env_off(const char * name) {
+    const char * v = getenv(name);
+    return v != nullptr && v[0] == '0';
 }
 
 static bool sdfarm_gn_disabled() {
-    static const bool disabled = [] {
-        const char * v = getenv("SDFARM_GROUPNORM_SPLIT");
-        return v != nullptr && v[0] == '0';
-    }();
+    static const bool disabled = sdfarm_gn_env_off("SDFARM_GROUPNORM_SPLIT");
     return disabled;
 }
 
+// SDFARM_GN_SILU=0 leaves the silu after a group norm to ggml's kernel (for measurement).
+static bool sdfarm_gn_silu_fused() {
+    static const bool fused = !sdfarm_gn_env_off("SDFARM_GN_SILU");
+    return fused;
+}
+
 // The group norm of `gn` (a GGML_OP_GROUP_NORM node), written to `out`, times `w` plus `bias`
-// when both are given ([1, 1, C, 1] each, C = gn's ne[2]). Returns false, having launched
+// when both are given ([1, 1, C, 1] each, C = gn's ne[2]), through silu when `silu`. Returns false, having launched
 // nothing, where it does not apply (then ggml's kernels run): SDFARM_GROUPNORM_SPLIT=0, a
 // source that is not contiguous f32, channels not a multiple of the groups, more groups than
 // a grid's y dimension holds.
 static bool sdfarm_group_norm_launch(
         ggml_backend_cuda_context & ctx, const ggml_tensor * gn, ggml_tensor * out,
-        const ggml_tensor * w, const ggml_tensor * bias) {
+        const ggml_tensor * w, const ggml_tensor * bias, bool silu = false) {
     const ggml_tensor * src = gn->src[0];
     if (sdfarm_gn_disabled() || src->type != GGML_TYPE_F32 || out->type != GGML_TYPE_F32 ||
             !ggml_is_contiguous(src) || !ggml_is_contiguous(out) ||
@@ -284,24 +304,27 @@ static bool sdfarm_group_norm_launch(
     sdfarm_gn_apply_kernel<<<grid, SDFARM_GN_THREADS, 0, stream>>>(
         (const float *) src->data, (float *) out->data,
         w ? (const float *) w->data : nullptr, w ? (const float *) bias->data : nullptr,
-        part.get(), group_size, ne, chunks, plane, ch_per_group, groups, eps);
+        part.get(), group_size, ne, chunks, plane, ch_per_group, groups, eps, silu);
     CUDA_CHECK(cudaGetLastError());
     return true;
 }
 
-// The fused form of ggml_ext_group_norm's three nodes (see sdfarm_gn_fusion_nodes), tried by
-// the graph loop of ggml-cuda.cu at the group norm node i. Returns the index of the add,
-// whose tensor it wrote, or -1 (nothing launched; the loop goes on at i).
+// The fused form of ggml_ext_group_norm's three nodes and the silu after them (see
+// sdfarm_gn_fusion_nodes), tried by the graph loop of ggml-cuda.cu at the group norm node i.
+// Returns the index of the last node, whose tensor it wrote, or -1 (nothing launched; the
+// loop goes on at i).
 int sdfarm_group_norm_fuse(ggml_backend_cuda_context & ctx, ggml_cgraph * cgraph, int i) {
-    int idx[3];
-    if (!sdfarm_gn_fusion_nodes(cgraph, i, idx)) {
+    int idx[4];
+    const int n = sdfarm_gn_fusion_nodes(cgraph, i, idx, sdfarm_gn_silu_fused());
+    if (n == 0) {
         return -1;
     }
-    ggml_tensor * mul = cgraph->nodes[idx[1]];
-    ggml_tensor * add = cgraph->nodes[idx[2]];
-    if (!sdfarm_group_norm_launch(ctx, cgraph->nodes[idx[0]], add, mul->src[1], add->src[1])) {
+    ggml_tensor * mul  = cgraph->nodes[idx[1]];
+    ggml_tensor * add  = cgraph->nodes[idx[2]];
+    ggml_tensor * last = cgraph->nodes[idx[n - 1]];
+    if (!sdfarm_group_norm_launch(ctx, cgraph->nodes[idx[0]], last, mul->src[1], add->src[1], n == 4)) {
         return -1;
     }
-    return idx[2];
+    return idx[n - 1];
 }
 #endif

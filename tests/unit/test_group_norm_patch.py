@@ -1,7 +1,8 @@
 """The split group norm we patch into ggml (native/patches/group_norm_split.cuh) normalises every
 element of every group once, with its own channel's weight and bias: its per-thread functions,
 compiled for the host with g++ and run one block after another (several threads each), against
-ggml's group norm followed by ggml's mul and add, transcribed as loops in double. Shapes cover
+ggml's group norm followed by ggml's mul and add (and silu, which the patch takes in too),
+transcribed as loops in double. Shapes cover
 chunks that do not divide a group, a group smaller than one chunk, several images, and the
 fusion's channel lookup across a group's planes. (On the GPU bench/build_options.py compares
 the pixels.)
@@ -54,7 +55,7 @@ int main() {
                 for (int tid = 0; tid < nt; tid++)
                     sdfarm_gn_thread_apply(x.data(), got.data(), affine ? w.data() : nullptr,
                                            affine ? b.data() : nullptr, a, e, g, gs, plane, cpg,
-                                           G, mean, scale, tid, nt);
+                                           G, mean, scale, affine == 2, tid, nt);
             }
         }
         double worst = 0.0;
@@ -68,6 +69,7 @@ int main() {
                 const long ch = (j / plane) % C;
                 double want = (x[j] - m) * inv;
                 if (affine) want = want * w[ch] + b[ch];
+                if (affine == 2) want = want / (1.0 + std::exp(-want));
                 const double err = std::fabs(got[j] - want);  // NAN (never written) fails too
                 if (!(err <= 2e-5 * (1.0 + std::fabs(want)))) {
                     printf("MISMATCH case %d at %ld (channel %ld): want %.8g got %.8g\n",
@@ -86,13 +88,14 @@ int main() {
 }
 """
 
-# W H C N groups affine threads
+# W H C N groups affine (0 none, 1 weight and bias, 2 those then silu) threads
 CASES = [
     (128, 128, 64, 1, 32, 1, 256),  # a VAE block's shape, small: two chunks per group
     (300, 111, 64, 1, 32, 0, 128),  # 66,600-element groups: chunks do not divide them
     (8, 8, 32, 1, 32, 1, 64),  # groups of one 64-element plane: one chunk of 64
-    (45, 33, 96, 2, 32, 1, 96),  # two images, three channels per group
+    (45, 33, 96, 2, 32, 2, 96),  # two images, three channels per group, silu
     (17, 19, 320, 1, 32, 1, 256),  # the UNet's 320 channels, an odd plane
+    (64, 64, 128, 1, 32, 2, 256),  # a resnet's norm then silu
 ]
 
 
@@ -175,13 +178,21 @@ int main() {
     for (int i = 0; i < ggml_graph_n_nodes(gf); i++) {
         ggml_tensor * n = ggml_graph_node(gf, i);
         if (n->op != GGML_OP_GROUP_NORM) continue;
-        int idx[3] = {-1, -1, -1};
-        const bool fuse = sdfarm_gn_fusion_nodes(gf, i, idx);
-        printf("group_norm at %d: fuse %d", i, (int) fuse);
-        if (fuse) printf(" mul at %d (%s) add at %d (%s) between: %s", idx[1],
-                         ggml_op_name(ggml_graph_node(gf, idx[1])->op), idx[2],
-                         ggml_op_name(ggml_graph_node(gf, idx[2])->op),
-                         ggml_op_name(ggml_graph_node(gf, i + 1)->op));
+        int idx[4] = {-1, -1, -1, -1};
+        int fuse = sdfarm_gn_fusion_nodes(gf, i, idx);
+        const int without_silu = sdfarm_gn_fusion_nodes(gf, i, idx, false);
+        printf("group_norm at %d: fuse %d (%d without silu)", i, fuse, without_silu);
+        if (fuse) {
+            fuse = sdfarm_gn_fusion_nodes(gf, i, idx);
+            printf(" mul at %d (%s) add at %d (%s) between: %s", idx[1],
+                   ggml_op_name(ggml_graph_node(gf, idx[1])->op), idx[2],
+                   ggml_op_name(ggml_graph_node(gf, idx[2])->op),
+                   ggml_op_name(ggml_graph_node(gf, i + 1)->op));
+            if (fuse == 4) {
+                const ggml_tensor * act = ggml_graph_node(gf, idx[3]);
+                printf(" then %s", ggml_unary_op_name(ggml_get_unary_op(act)));
+            }
+        }
         printf("\n");
     }
     ggml_free(ctx);
@@ -216,6 +227,7 @@ def test_the_fusion_finds_stable_diffusion_cpps_group_norm_in_a_real_ggml_graph(
     assert done.returncode == 0, done.stdout + done.stderr
     lines = done.stdout.splitlines()
     assert len(lines) == 2, done.stdout
-    assert "fuse 1" in lines[0] and "(MUL)" in lines[0] and "(ADD)" in lines[0], lines[0]
-    assert lines[0].endswith("between: RESHAPE"), lines[0]  # why the walk steps over views
-    assert "fuse 0" in lines[1], lines[1]
+    assert "fuse 4 (3 without silu)" in lines[0], lines[0]
+    assert "(MUL)" in lines[0] and "(ADD)" in lines[0], lines[0]
+    assert "between: RESHAPE then SILU" in lines[0], lines[0]  # the walk steps over views
+    assert "fuse 0 (0 without silu)" in lines[1], lines[1]

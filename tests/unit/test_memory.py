@@ -365,16 +365,28 @@ def test_im2col_decode_term_covers_the_measured_cuda_peaks():
 
 
 @pytest.mark.parametrize(
-    ("decoder", "device", "expected"),
+    ("decoder", "device", "cudnn", "expected", "unet"),
     [
-        ("vae", "CPU", True),
-        ("vae", "Vulkan0", True),
-        ("vae", "CUDA0", False),
-        ("taesd", "CPU", False),
+        ("vae", "CPU", False, True, False),
+        ("vae", "Vulkan0", False, True, False),
+        ("vae", "CUDA0", False, False, False),
+        ("vae", "CUDA0", True, True, True),
+        ("taesd", "CUDA0", True, False, True),
+        ("vae", "CPU", True, True, False),
+        ("taesd", "CPU", False, False, False),
     ],
 )
-def test_direct_vae_convolution_where_it_is_cheap(decoder, device, expected, monkeypatch):
-    from sdfarm.native.engine import use_vae_conv_direct
+def test_direct_convolution_where_it_is_cheap(
+    decoder, device, cudnn, expected, unet, monkeypatch, tmp_path
+):
+    """Direct convolution everywhere but CUDA, and on CUDA only with cuDNN (our build runs it
+    there, in the VAE and the diffusion model alike); the diffusion model only on CUDA."""
+    from sdfarm.native.estimate import use_diffusion_conv_direct, use_vae_conv_direct
 
     monkeypatch.delenv("SDFARM_VAE_CONV_DIRECT", raising=False)
+    monkeypatch.delenv("SDFARM_UNET_CONV_DIRECT", raising=False)
+    lib = tmp_path / "libcudnn.so.9"
+    lib.write_bytes(b"")
+    monkeypatch.setenv("SDFARM_CUDNN", str(lib) if cudnn else "0")
     assert use_vae_conv_direct(decoder, device) is expected
+    assert use_diffusion_conv_direct(device) is unet

@@ -13,6 +13,7 @@ import pytest
 from sdfarm.native.devices import Device
 from sdfarm.native.estimate import (
     CUDA_CONTEXT_BYTES,
+    CUDNN_DECODE_BYTES_PER_PIXEL,
     ModelFacts,
     decode_attention_bytes,
     decode_bytes_per_pixel,
@@ -226,17 +227,27 @@ def test_a_cuda_workers_decode_term_reaches_the_estimate() -> None:
 
 
 @pytest.mark.parametrize(
-    ("device", "decoder", "expected"),
+    ("device", "decoder", "cudnn", "expected"),
     [
-        (Device(0, "CUDA0", "H200", "gpu", 1, 1), "vae", IM2COL),
-        (Device(0, "CUDA0", "H200", "gpu", 1, 1), "taesd", 0),
-        (Device(0, "Vulkan0", "H200", "gpu", 1, 1), "vae", 0),
-        (Device(0, "CPU", "Xeon", "cpu", 1, 1), "vae", 0),
+        (Device(0, "CUDA0", "H200", "gpu", 1, 1), "vae", False, IM2COL),
+        (Device(0, "CUDA0", "H200", "gpu", 1, 1), "vae", True, CUDNN_DECODE_BYTES_PER_PIXEL),
+        (Device(0, "CUDA0", "H200", "gpu", 1, 1), "taesd", False, 0),
+        (Device(0, "CUDA0", "H200", "gpu", 1, 1), "taesd", True, 0),
+        (Device(0, "Vulkan0", "H200", "gpu", 1, 1), "vae", False, 0),
+        (Device(0, "CPU", "Xeon", "cpu", 1, 1), "vae", True, 0),
     ],
 )
-def test_decode_term_per_device_and_decoder(device, decoder, expected, monkeypatch) -> None:
+def test_decode_term_per_device_and_decoder(
+    device, decoder, cudnn, expected, monkeypatch, tmp_path
+) -> None:
+    """A CUDA decode through im2col counts its 10 KiB a pixel; through cuDNN (when the worker
+    finds one) its staging copies; elsewhere nothing beyond the seed's estimate."""
     monkeypatch.delenv("SDFARM_VAE_CONV_DIRECT", raising=False)
+    lib = tmp_path / "libcudnn.so.9"
+    lib.write_bytes(b"")
+    monkeypatch.setenv("SDFARM_CUDNN", str(lib) if cudnn else "0")
     assert decode_bytes_per_pixel(decoder, device) == expected
+    assert 0 < CUDNN_DECODE_BYTES_PER_PIXEL < IM2COL / 4
 
 
 def test_parse_heartbeat_rejects_garbage() -> None:

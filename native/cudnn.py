@@ -1,0 +1,49 @@
+"""cuDNN for the CUDA runtime's convolutions (experimental, off unless the operator names one).
+
+On CUDA, stable-diffusion.cpp convolves through im2col + GEMM: a 3x3 convolution first writes
+its input nine times over, which was most of a 1024x1024 VAE decode on the H200 (docs/gpu.md,
+"Where an image's GPU time goes"). Our CUDA build (native/patches/conv2d_cudnn.cuh) can run the
+runtime's direct convolutions through cuDNN instead, as PyTorch does, opening the library at
+run time; cuDNN is not a build dependency and not ours to ship.
+
+It is off unless `SDFARM_CUDNN` names a libcudnn.so.9 file: on the H200 the runtime's process
+crashed inside cuDNN's heuristics at its second convolution, while the same calls in a bare
+process ran and matched a host convolution (docs/gpu.md, "Convolutions through cuDNN"). Where
+it is named, an engine on a CUDA device asks for direct convolution (native/estimate.py
+`use_conv_direct`) and counts its staging copies instead of im2col's buffer, and `export`
+tells the runtime the same answer, so the runtime never opens a library the estimate did not
+count on.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping, MutableMapping
+from pathlib import Path
+
+ENV = "SDFARM_CUDNN"
+
+
+def find(env: Mapping[str, str], is_file: Callable[[Path], bool] = Path.is_file) -> Path | None:
+    """The cuDNN library `ENV` names, if it is a file; None when unset, 0 or not a file."""
+    named = env.get(ENV, "").strip()
+    if not named or named == "0":
+        return None
+    path = Path(named)
+    return path if is_file(path) else None
+
+
+def library(env: Mapping[str, str] | None = None) -> Path | None:
+    """This process's cuDNN (`find` over `env`, default its environment), or None."""
+    return find(os.environ if env is None else env)
+
+
+def export(env: MutableMapping[str, str] | None = None) -> Path | None:
+    """Name the library `library` found to the runtime of this process (`ENV` set to its
+    path, or to 0 when there is none, so that a name that is not a file opens nothing) and
+    return it. An engine calls this before its runtime's first CUDA graph, so the runtime's
+    choice is the estimate's."""
+    env = os.environ if env is None else env
+    lib = library(env)
+    env[ENV] = str(lib) if lib is not None else "0"
+    return lib

@@ -1,0 +1,141 @@
+"""Convolutions through cuDNN on CUDA (native/patches/conv2d_cudnn.cuh, native/cudnn.py; an
+experimental switch): which library a worker names to its runtime, the patch applying to the
+pinned source, and the fusion's graph walk on a graph the pinned ggml builds (the CPU
+runtime's library). The cuDNN calls themselves need a GPU (bench/gpu_run.sh cudnnall,
+cudnnalone; docs/gpu.md)."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+from sdfarm.native import cudnn, sourcepatch
+
+
+def test_cudnn_is_used_only_where_the_operator_named_a_file(tmp_path: Path) -> None:
+    """Experimental (it crashed the runtime's process on the H200): never found on its own,
+    only a named file counts."""
+    lib = tmp_path / "libcudnn.so.9"
+    lib.write_bytes(b"")
+    assert cudnn.find({}) is None
+    assert cudnn.find({cudnn.ENV: ""}) is None
+    assert cudnn.find({cudnn.ENV: "0"}) is None
+    assert cudnn.find({cudnn.ENV: str(lib)}) == lib
+    assert cudnn.find({cudnn.ENV: f" {lib} "}) == lib
+    assert cudnn.find({cudnn.ENV: str(tmp_path / "missing.so")}) is None
+    assert cudnn.find({cudnn.ENV: str(tmp_path)}) is None  # a folder is not the library
+    assert cudnn.find({cudnn.ENV: "/x.so"}, is_file=lambda p: p == Path("/x.so")) == Path("/x.so")
+
+
+def test_the_runtime_is_told_the_library_the_estimate_counted_on(tmp_path: Path) -> None:
+    """export names the found file to the runtime, or 0 so that it opens none of its own."""
+    lib = tmp_path / "libcudnn.so.9"
+    lib.write_bytes(b"")
+    env = {cudnn.ENV: str(lib)}
+    assert cudnn.export(env) == lib and env[cudnn.ENV] == str(lib)
+    env = {cudnn.ENV: str(tmp_path / "gone.so")}
+    assert cudnn.export(env) is None and env[cudnn.ENV] == "0"
+    env = {}
+    assert cudnn.export(env) is None and env[cudnn.ENV] == "0"
+
+
+def test_the_patch_applies_to_the_pinned_source(tmp_path: Path) -> None:
+    from sdfarm.native import build
+
+    root = build.cache_root()
+    src = build.unpack_sdist(build.fetch_sdist(root), root)
+    out = sourcepatch.apply(src, tmp_path / "patched", sourcepatch.for_backend("cuda"))
+    conv = (out / sourcepatch.CONV).read_text()
+    assert '#include "conv2d_cudnn.cuh"' in conv
+    body = conv.split(
+        "void ggml_cuda_op_conv2d(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {"
+    )
+    assert body[1].lstrip().startswith("if (sdfarm_cudnn_conv2d(ctx, dst, dst, nullptr))")
+    assert "int sdfarm_conv2d_fuse(" in (out / sourcepatch.CONV_H).read_text()
+    graph = (out / sourcepatch.GRAPH).read_text()
+    assert graph.count("sdfarm_conv2d_fuse(*cuda_ctx, cgraph, i);") == 1
+    assert graph.index("sdfarm_group_norm_fuse") < graph.index("sdfarm_conv2d_fuse")
+    assert graph.index("sdfarm_conv2d_fuse") < graph.index("ggml_cuda_topk_moe_args args;")
+    assert (out / "ggml/src/ggml-cuda/sdfarm_graph.cuh").is_file()
+    assert (src / sourcepatch.CONV).read_text().count("sdfarm") == 0
+    assert "ggml-cuda-conv2d-cudnn" not in {p.name for p in sourcepatch.for_backend("cpu")}
+
+
+GRAPH_HARNESS = r"""
+#include <cstdio>
+#include "ggml.h"
+#include "ggml-impl.h"
+#define SDFARM_HOST_GRAPH 1
+#include "conv2d_cudnn.cuh"
+
+// ggml_ext_conv_2d of stable-diffusion.cpp with direct convolution (src/ggml_extend.hpp).
+static ggml_tensor * sd_conv(ggml_context * ctx, ggml_tensor * x, ggml_tensor * w,
+                             ggml_tensor * b) {
+    x = ggml_conv_2d_direct(ctx, w, x, 1, 1, 1, 1, 1, 1);
+    if (b != nullptr) {
+        b = ggml_reshape_4d(ctx, b, 1, 1, b->ne[0], 1);
+        x = ggml_add_inplace(ctx, x, b);
+    }
+    return x;
+}
+
+int main() {
+    ggml_init_params params = {64 * 1024 * 1024, nullptr, true};
+    ggml_context * ctx = ggml_init(params);
+    ggml_tensor * x = ggml_new_tensor_4d(ctx, GGML_TYPE_F32, 16, 16, 8, 1);
+    ggml_tensor * w1 = ggml_new_tensor_4d(ctx, GGML_TYPE_F16, 3, 3, 8, 8);
+    ggml_tensor * b1 = ggml_new_tensor_1d(ctx, GGML_TYPE_F32, 8);
+    ggml_tensor * w2 = ggml_new_tensor_4d(ctx, GGML_TYPE_F16, 3, 3, 8, 8);
+    ggml_tensor * w3 = ggml_new_tensor_4d(ctx, GGML_TYPE_F16, 3, 3, 8, 8);
+    // 1: conv + bias, then silu (a resnet's conv)
+    ggml_tensor * h = ggml_silu_inplace(ctx, sd_conv(ctx, x, w1, b1));
+    // 2: a conv without bias whose result is added to another tensor: not a bias add
+    ggml_tensor * c = sd_conv(ctx, h, w2, nullptr);
+    ggml_tensor * s = ggml_add(ctx, c, h);
+    // 3: a conv read twice (the add and the mul): not fusable
+    ggml_tensor * d = ggml_conv_2d_direct(ctx, w3, s, 1, 1, 1, 1, 1, 1);
+    ggml_tensor * e = ggml_add(ctx, d, ggml_reshape_4d(ctx, b1, 1, 1, 8, 1));
+    ggml_tensor * out = ggml_mul(ctx, e, d);
+    ggml_cgraph * gf = ggml_new_graph(ctx);
+    ggml_build_forward_expand(gf, out);
+    for (int i = 0; i < ggml_graph_n_nodes(gf); i++) {
+        if (ggml_graph_node(gf, i)->op != GGML_OP_CONV_2D) continue;
+        const int j = sdfarm_conv2d_bias_node(gf, i);
+        printf("conv at %d: bias add %d", i, j);
+        if (j >= 0) printf(" (%s) between: %s", ggml_op_name(ggml_graph_node(gf, j)->op),
+                           ggml_op_name(ggml_graph_node(gf, i + 1)->op));
+        printf("\n");
+    }
+    ggml_free(ctx);
+    return 0;
+}
+"""
+
+
+def test_the_bias_add_fuses_only_where_it_is_ggml_ext_conv_2ds(tmp_path: Path) -> None:
+    """The walk finds stable-diffusion.cpp's bias add behind the bias's reshape, and refuses
+    an add of another tensor and a convolution that is read twice."""
+    from sdfarm.native import build
+
+    runtime = build.ensure_runtime("cpu")
+    root = build.cache_root()
+    src = build.unpack_sdist(build.fetch_sdist(root), root)
+    cxx = shutil.which("g++") or shutil.which("c++")
+    assert cxx
+    (tmp_path / "graph.cpp").write_text(GRAPH_HARNESS)
+    lib = Path(runtime.library)
+    exe = tmp_path / "graph"
+    subprocess.run(
+        [cxx, "-std=c++17", "-O1", f"-I{src / 'ggml/include'}", f"-I{src / 'ggml/src'}",
+         f"-I{sourcepatch.HERE}", str(tmp_path / "graph.cpp"), "-o", str(exe), str(lib),
+         f"-Wl,-rpath,{lib.parent}"],
+        check=True,
+    )  # fmt: skip
+    done = subprocess.run([str(exe)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = done.stdout.splitlines()
+    assert len(lines) == 3, done.stdout
+    assert "(ADD) between: RESHAPE" in lines[0], lines[0]
+    assert lines[1].endswith("bias add -1"), lines[1]
+    assert lines[2].endswith("bias add -1"), lines[2]
