@@ -31,6 +31,24 @@ from pathlib import Path
 MARK = "@@build-options "
 
 
+def process_gpu_mib() -> int | None:
+    """This process's GPU memory now, by nvidia-smi (None where it does not answer). ggml's
+    memory pool and compute buffers keep their largest size, so after a size's images this is
+    the peak of that size so far."""
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+            capture_output=True, text=True, timeout=20,
+        ).stdout  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return None
+    for line in out.splitlines():
+        pid, _, mib = line.partition(",")
+        if pid.strip() == str(os.getpid()):
+            return int(mib.strip())
+    return None
+
+
 def child(model: str, device: str, sizes: list[int], images: int, save: str) -> None:
     import hashlib
 
@@ -51,7 +69,9 @@ def child(model: str, device: str, sizes: list[int], images: int, save: str) -> 
         result.image.save(f"{save}-{size}.png")
         print(MARK + json.dumps({"size": size, "s_per_image": statistics.median(times),
                                  "times": [round(x, 4) for x in times],
-                                 "pixels": digest}), flush=True)  # fmt: skip
+                                 "pixels": digest, "gpu_mib": process_gpu_mib(),
+                                 "estimate_mib": engine.estimate_for(size, size) >> 20}),
+              flush=True)  # fmt: skip
     engine.dispose()
 
 
@@ -118,7 +138,8 @@ def main() -> int:
         for r in found:
             rows.append({"variant": label, "runtime": Path(directory).name, "env": env, **r})
             print(f"{label:14} {r['size']:>5}  {r['s_per_image'] * 1000:7.1f} ms/image  "
-                  f"pixels {r['pixels']}", flush=True)  # fmt: skip
+                  f"pixels {r['pixels']}  GPU {r.get('gpu_mib')} MiB (estimate "
+                  f"{r.get('estimate_mib')} MiB)", flush=True)  # fmt: skip
     first = args.variant[0][0]
     base = {r["size"]: r["pixels"] for r in rows if r.get("variant") == first}
     for r in rows:

@@ -49,6 +49,11 @@
 #   bash bench/gpu_run.sh effbacklog # build here; effahead's runs with the backlog change
 #   bash bench/gpu_run.sh cublas32  # after effahead: cuBLAS f32 output side by side; the farm
 #                                   # under MPS (N=4) with the faster; the peer's eager b1
+#   bash bench/gpu_run.sh cudnnall  # build here; convolutions through cuDNN (experimental)
+#                                   # against im2col: ms, pixels, GPU memory; the farm under
+#                                   # MPS (N=4) at the four cases with the fastest; the peer's b1
+#   bash bench/gpu_run.sh cudnndebug # why a cuDNN process crashed: traced image, backtrace
+#   bash bench/gpu_run.sh cudnnalone # cuDNN alone (bench/cudnn_check.cpp), no build needed
 #
 # Carried: .whl/*.whl (our dependencies and pytest for python3.12), .carry/{redis-server,
 # stable_diffusion_cpp_python-0.4.7.tar.gz}; for the Vulkan stages also .gl/*.deb (Vulkan
@@ -915,6 +920,81 @@ cublas32() {
     peer_eager cublas32-lease 1,4
 }
 
+# The cuDNN 9 of the machine's PyTorch (its nvidia-cudnn wheel), for SDFARM_CUDNN.
+torch_cudnn() {
+    $PY -c "import nvidia.cudnn as m; print(list(m.__path__)[0] + '/lib/libcudnn.so.9')" 2>/dev/null
+}
+
+# Why a process convolving through cuDNN ends (2026-12-02: signal 11, nothing on stderr): one
+# 512x512 image in build_options.py's child with SDFARM_CUDNN_TRACE=1 (every cuDNN step, and a
+# native backtrace on the crash) and Python's fault handler.
+cudnndebug() {
+    NOPACK=1 ensure
+    local lib; lib=$(torch_cudnn)
+    say "== one image with cuDNN ($lib), traced"
+    SDFARM_CUDNN="$lib" SDFARM_CUDNN_TRACE=1 PYTHONFAULTHANDLER=1 SDFARM_RUNTIME_DIR="$CUDA_DIR" \
+        timeout 100 $PY bench/build_options.py --child --model "$MODEL" --device CUDA0 --sizes 512 \
+        --images 1 --save /tmp/dbg 2>&1 | tail -60
+    say "== exit ${PIPESTATUS[0]}"
+}
+
+# Convolutions through cuDNN (native/patches/conv2d_cudnn.cuh, experimental; the machine's
+# PyTorch's cuDNN 9 named in SDFARM_CUDNN) against im2col in one build (built here): ms/image,
+# pixels, the process's GPU memory against its estimate, with cuDNN's heuristics and with
+# implicit-precomputed GEMM alone (SDFARM_CUDNN_ALGO=1); the farm under MPS (N=4) at the
+# peer table's four cases with the fastest at 1024; the same lease's diffusers eager batch 1.
+cudnnall() {
+    NOPACK=1 ensure
+    mkdir -p "$OUT/cuda"
+    local lib; lib=$(torch_cudnn)
+    say "cuDNN: $lib"
+    options cudnn 110 --variant "im2col=$CUDA_DIR" --variant "cudnn=$CUDA_DIR:SDFARM_CUDNN=$lib" \
+        --variant "cudnn-algo1=$CUDA_DIR:SDFARM_CUDNN=$lib,SDFARM_CUDNN_ALGO=1" \
+        --variant "im2col-again=$CUDA_DIR" --variant "cudnn-again=$CUDA_DIR:SDFARM_CUDNN=$lib"
+    local pick
+    pick=$(fastest_env_at_1024 cudnn)
+    say "the farm with the fastest at 1024: '${pick:-no setting}'"
+    # shellcheck disable=SC2086
+    [ -n "$pick" ] && export $pick
+    mps_farm "cudnn-mps" 60
+    peer_eager cudnn-lease 1,4
+}
+
+# fastest_env_at_1024 NAME: the settings (KEY=VALUE ...) of the variants of
+# cuda-NAME-options.json with the lowest median time at 1024 (nothing for none).
+fastest_env_at_1024() {
+    $PY -c "
+import json, statistics
+rows = [r for r in json.load(open('$OUT/cuda/cuda-$1-options.json'))['rows']
+        if r.get('size') == 1024]
+times = {}
+for r in rows:
+    times.setdefault(json.dumps(r['env'], sort_keys=True), []).append(r['s_per_image'])
+best = json.loads(min(times, key=lambda k: statistics.median(times[k])))
+print(' '.join(f'{k}={v}' for k, v in best.items()))" 2>/dev/null
+}
+
+# cuDNN alone, no build needed (bench/cudnn_check.cpp): the shapes where the runtime's process
+# crashed, with the heuristics' algorithm and with IMPLICIT_PRECOMP_GEMM (ALGO=1), plain and
+# under Python's LC_CTYPE; CHECKS="A;B" runs those settings instead (@SYSLT@ names the CUDA
+# toolkit's cuBLASLt, which the runtime's process has loaded before cuDNN opens its own).
+cudnnalone() {
+    prep
+    local lib; lib=$(torch_cudnn)
+    g++ -O1 -I/usr/local/cuda/include bench/cudnn_check.cpp -o /tmp/cudnn_check \
+        -L/usr/local/cuda/lib64 -lcudart -ldl || return
+    ls -l /usr/local/cuda/lib64/libcublasLt.so* "$(dirname "$lib")"/../../cu13/lib/libcublasLt.so* 2>&1
+    local sys_lt=/usr/local/cuda/lib64/libcublasLt.so.13
+    local checks e
+    IFS=';' read -ra checks <<< "${CHECKS:-;ALGO=1;LOCALE=C.UTF-8}"
+    for e in "${checks[@]}"; do
+        e=${e//@SYSLT@/$sys_lt}
+        say "== cudnn_check $e"
+        env $e timeout 60 /tmp/cudnn_check "$lib" 2>&1 | grep -v "^cudnn[A-Z]" | tail -20
+        say "exit ${PIPESTATUS[0]}"
+    done
+}
+
 # The image-to-video test model's GPU peak against its estimate; TAESD under MPS at N = 2, 4.
 i2vmps() {
     PACK_LATER=1 ensure
@@ -962,7 +1042,7 @@ peertwo() {
 case "$PHASE" in
     setup | bench1 | bench2) ;;
     cuda_recheck | cudafarm | overhead | speedbatch | gputests | cpu1024 | twogpu) ;;
-    features | tiling | peer | tilingpeer | decodefarm | lanes | extras | cudaopts | cudamore | vulkan | vkcheck | peerone | peertwo | peerthree | effprefetch | nextlease | chainlease | i2vmps | lookahead | profile | lookprofile | im2col2 | im2col4 | gnorm | gnormpeer | im2colvec | vecmore | effahead | cublas32 | effbacklog) ;;
+    features | tiling | peer | tilingpeer | decodefarm | lanes | extras | cudaopts | cudamore | vulkan | vkcheck | peerone | peertwo | peerthree | effprefetch | nextlease | chainlease | i2vmps | lookahead | profile | lookprofile | im2col2 | im2col4 | gnorm | gnormpeer | im2colvec | vecmore | effahead | cublas32 | effbacklog | cudnndebug | cudnnall | cudnnalone) ;;
     *) echo "usage: bash bench/gpu_run.sh setup|bench1|bench2|cuda_recheck|cudafarm|overhead|speedbatch|gputests|cpu1024|twogpu|features|tiling|peer|tilingpeer|decodefarm|lanes|extras|cudaopts|cudamore|vulkan|vkcheck|peerone|peertwo|peerthree|effprefetch|nextlease|chainlease|i2vmps|lookahead|profile" >&2; exit 2 ;;
 esac
 set -o pipefail
