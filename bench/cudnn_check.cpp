@@ -2,7 +2,8 @@
 // opens it, outside ggml and Python: the shapes where the runtime's process crashed (the
 // UNet's 4 -> 320 and 320 -> 320 at 8x8, VAE-sized ones), every call's status printed, and 27
 // outputs of each checked against a host convolution. A diagnostic for the GPU machine
-// (bench/gpu_run.sh cudnnalone; ALGO=N forces an algorithm, LOCALE=X sets LC_CTYPE first):
+// (bench/gpu_run.sh cudnnalone; ALGO=N forces an algorithm, LOCALE=X sets LC_CTYPE first;
+// PRELOAD, CODECVT and DEEPBIND below reproduce parts of the runtime's process):
 //   g++ -O1 -I/usr/local/cuda/include bench/cudnn_check.cpp -o /tmp/cudnn_check
 //       -L/usr/local/cuda/lib64 -lcudart -ldl; /tmp/cudnn_check /path/to/libcudnn.so.9
 // On the H200 (2026-12-02, cuDNN 9.19 of PyTorch 2.11 cu130) every shape ran and matched.
@@ -12,6 +13,9 @@
 
 #include <clocale>
 #include <cmath>
+#include <codecvt>
+#include <locale>
+#include <string>
 #include <cstdio>
 #include <cstdlib>
 #include <vector>
@@ -36,7 +40,41 @@ typedef int (*fn_fwd)(void *, const void *, void *, const void *, void *, const 
 int main(int argc, char ** argv) {
     const char * lib = argc > 1 ? argv[1] : "libcudnn.so.9";
     if (getenv("LOCALE")) printf("setlocale: %s\n", setlocale(LC_CTYPE, getenv("LOCALE")));
-    void * h = dlopen(lib, RTLD_NOW | RTLD_LOCAL);
+    // PRELOAD=a.so:b.so opens those first (as the runtime's process has libstable-diffusion.so),
+    // RTLD_GLOBAL with PRELOAD_GLOBAL=1; CODECVT=1 converts strings the way stable-diffusion.cpp's
+    // tokenizer does (util.cpp) before cuDNN and between shapes; DEEPBIND=1 opens cuDNN's
+    // sub-libraries and the shim with RTLD_DEEPBIND (each binds its own symbols first).
+    if (const char * pre = getenv("PRELOAD")) {
+        std::string all(pre);
+        for (size_t a = 0; a < all.size();) {
+            size_t b = all.find(':', a);
+            if (b == std::string::npos) b = all.size();
+            const std::string one = all.substr(a, b - a);
+            void * d = dlopen(one.c_str(), RTLD_NOW | (getenv("PRELOAD_GLOBAL") ? RTLD_GLOBAL : RTLD_LOCAL));
+            printf("preload %s: %s\n", one.c_str(), d ? "ok" : dlerror());
+            a = b + 1;
+        }
+    }
+    auto convert = [] {
+        if (!getenv("CODECVT")) return;
+        std::wstring_convert<std::codecvt_utf8<char32_t>, char32_t> c;
+        std::u32string u = c.from_bytes("a photo of a cat, \xc3\xa9t\xc3\xa9");
+        printf("codecvt: %zu code points, %zu bytes back\n", u.size(), c.to_bytes(u).size());
+    };
+    convert();
+    int flags = RTLD_NOW | RTLD_LOCAL;
+    if (getenv("DEEPBIND")) {
+        flags |= RTLD_DEEPBIND;
+        std::string dir(lib);
+        dir = dir.substr(0, dir.rfind('/') + 1);
+        for (const char * sub : {"libcudnn_graph.so.9", "libcudnn_engines_runtime_compiled.so.9",
+                                 "libcudnn_engines_precompiled.so.9", "libcudnn_heuristic.so.9",
+                                 "libcudnn_ops.so.9", "libcudnn_cnn.so.9"}) {
+            void * d = dlopen((dir + sub).c_str(), flags);
+            printf("deepbind %s: %s\n", sub, d ? "ok" : dlerror());
+        }
+    }
+    void * h = dlopen(lib, flags);
     if (!h) { printf("dlopen: %s\n", dlerror()); return 1; }
     auto S = [&](const char * n) { void * p = dlsym(h, n); printf("%s %p\n", n, p); fflush(stdout); return p; };
     auto create = (fn_create) S("cudnnCreate");
@@ -59,6 +97,7 @@ int main(int argc, char ** argv) {
     // the shapes of stable-diffusion.cpp's UNet check and the VAE at 512: C -> K at H x W
     const int shapes[][4] = {{4, 320, 8, 8}, {320, 320, 8, 8}, {128, 128, 256, 256}, {256, 256, 512, 512}};
     for (const auto & sh : shapes) {
+        convert();
         const int N = 1, C = sh[0], K = sh[1], H = sh[2], W = sh[3];
         void *x = nullptr, *y = nullptr, *w = nullptr, *cv = nullptr;
         int r[9];

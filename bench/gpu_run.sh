@@ -977,20 +977,24 @@ print(' '.join(f'{k}={v}' for k, v in best.items()))" 2>/dev/null
 # cuDNN alone, no build needed (bench/cudnn_check.cpp): the shapes where the runtime's process
 # crashed, with the heuristics' algorithm and with IMPLICIT_PRECOMP_GEMM (ALGO=1), plain and
 # under Python's LC_CTYPE; CHECKS="A;B" runs those settings instead (@SYSLT@ names the CUDA
-# toolkit's cuBLASLt, which the runtime's process has loaded before cuDNN opens its own).
+# toolkit's cuBLASLt, which the runtime's process has loaded before cuDNN opens its own; @RT@
+# the runtime's library, from a carried build, for PRELOAD).
 cudnnalone() {
     prep
     local lib; lib=$(torch_cudnn)
-    g++ -O1 -I/usr/local/cuda/include bench/cudnn_check.cpp -o /tmp/cudnn_check \
-        -L/usr/local/cuda/lib64 -lcudart -ldl || return
+    g++ -O1 -Wno-deprecated-declarations -I/usr/local/cuda/include bench/cudnn_check.cpp \
+        -o /tmp/cudnn_check -L/usr/local/cuda/lib64 -lcudart -ldl || return
+    if [ ! -e "$CUDART/libstable-diffusion.so" ] && ls "$CUDA_TAR".part-* >/dev/null 2>&1; then
+        mkdir -p "$CUDART" && cat "$CUDA_TAR".part-* | tar xJf - -C "$CUDART"
+    fi
     ls -l /usr/local/cuda/lib64/libcublasLt.so* "$(dirname "$lib")"/../../cu13/lib/libcublasLt.so* 2>&1
-    local sys_lt=/usr/local/cuda/lib64/libcublasLt.so.13
-    local checks e
+    local sys_lt=/usr/local/cuda/lib64/libcublasLt.so.13 checks e
     IFS=';' read -ra checks <<< "${CHECKS:-;ALGO=1;LOCALE=C.UTF-8}"
     for e in "${checks[@]}"; do
         e=${e//@SYSLT@/$sys_lt}
+        e=${e//@RT@/$CUDART/libstable-diffusion.so}
         say "== cudnn_check $e"
-        env $e timeout 60 /tmp/cudnn_check "$lib" 2>&1 | grep -v "^cudnn[A-Z]" | tail -20
+        env $e timeout 60 /tmp/cudnn_check "$lib" 2>&1 | grep -v "^cudnn[A-Z]" | tail -16
         say "exit ${PIPESTATUS[0]}"
     done
 }
