@@ -6,11 +6,11 @@ cudnnalone; docs/gpu.md)."""
 
 from __future__ import annotations
 
-import shutil
-import subprocess
 from pathlib import Path
 
 from sdfarm.native import cudnn, sourcepatch
+
+from helpers.ggmlgraph import run_graph_harness
 
 
 def test_cudnn_is_used_only_where_the_operator_named_a_file(tmp_path: Path) -> None:
@@ -116,26 +116,8 @@ int main() {
 def test_the_bias_add_fuses_only_where_it_is_ggml_ext_conv_2ds(tmp_path: Path) -> None:
     """The walk finds stable-diffusion.cpp's bias add behind the bias's reshape, and refuses
     an add of another tensor and a convolution that is read twice."""
-    from sdfarm.native import build
-
-    runtime = build.ensure_runtime("cpu")
-    root = build.cache_root()
-    src = build.unpack_sdist(build.fetch_sdist(root), root)
-    cxx = shutil.which("g++") or shutil.which("c++")
-    assert cxx
-    (tmp_path / "graph.cpp").write_text(GRAPH_HARNESS)
-    lib = Path(runtime.library)
-    exe = tmp_path / "graph"
-    subprocess.run(
-        [cxx, "-std=c++17", "-O1", f"-I{src / 'ggml/include'}", f"-I{src / 'ggml/src'}",
-         f"-I{sourcepatch.HERE}", str(tmp_path / "graph.cpp"), "-o", str(exe), str(lib),
-         f"-Wl,-rpath,{lib.parent}"],
-        check=True,
-    )  # fmt: skip
-    done = subprocess.run([str(exe)], capture_output=True, text=True)
-    assert done.returncode == 0, done.stdout + done.stderr
-    lines = done.stdout.splitlines()
-    assert len(lines) == 3, done.stdout
+    lines = run_graph_harness(tmp_path, GRAPH_HARNESS)
+    assert len(lines) == 3, lines
     assert "(ADD) between: RESHAPE" in lines[0], lines[0]
     assert lines[1].endswith("bias add -1"), lines[1]
     assert lines[2].endswith("bias add -1"), lines[2]

@@ -18,6 +18,8 @@ import pytest
 
 from sdfarm.native import sourcepatch
 
+from helpers.ggmlgraph import run_graph_harness
+
 HARNESS = r"""
 #include <cmath>
 #include <cstdio>
@@ -207,26 +209,8 @@ def test_the_fusion_finds_stable_diffusion_cpps_group_norm_in_a_real_ggml_graph(
     """The graph walk, on a graph the pinned ggml builds (the CPU runtime's library): the
     group norm as stable-diffusion.cpp writes it is fused with its mul and add, which sit
     behind the weight's reshape, and a group norm with another use is not."""
-    from sdfarm.native import build
-
-    runtime = build.ensure_runtime("cpu")
-    root = build.cache_root()
-    src = build.unpack_sdist(build.fetch_sdist(root), root)
-    cxx = shutil.which("g++") or shutil.which("c++")
-    assert cxx
-    (tmp_path / "graph.cpp").write_text(GRAPH_HARNESS)
-    lib = Path(runtime.library)
-    exe = tmp_path / "graph"
-    subprocess.run(
-        [cxx, "-std=c++17", "-O1", f"-I{src / 'ggml/include'}", f"-I{src / 'ggml/src'}",
-         f"-I{sourcepatch.HERE}", str(tmp_path / "graph.cpp"), "-o", str(exe), str(lib),
-         f"-Wl,-rpath,{lib.parent}"],
-        check=True,
-    )  # fmt: skip
-    done = subprocess.run([str(exe)], capture_output=True, text=True)
-    assert done.returncode == 0, done.stdout + done.stderr
-    lines = done.stdout.splitlines()
-    assert len(lines) == 2, done.stdout
+    lines = run_graph_harness(tmp_path, GRAPH_HARNESS)
+    assert len(lines) == 2, lines
     assert "fuse 4 (3 without silu)" in lines[0], lines[0]
     assert "(MUL)" in lines[0] and "(ADD)" in lines[0], lines[0]
     assert "between: RESHAPE then SILU" in lines[0], lines[0]  # the walk steps over views
