@@ -37,7 +37,9 @@ typedef int (*fn_algo)(void *, void *, void *, void *, void *, int, int *, perf_
 typedef int (*fn_fwd)(void *, const void *, void *, const void *, void *, const void *, void *, int, void *, size_t,
                       const void *, void *, void *);
 
-int main(int argc, char ** argv) {
+// Built with -DCUDNN_CHECK_LIBRARY -shared -fPIC, cudnn_check_main runs the same inside another
+// process (bench/cudnn_check_in_python.py calls it from Python, after a CUDA engine if asked).
+extern "C" int cudnn_check_main(int argc, char ** argv) {
     const char * lib = argc > 1 ? argv[1] : "libcudnn.so.9";
     if (getenv("LOCALE")) printf("setlocale: %s\n", setlocale(LC_CTYPE, getenv("LOCALE")));
     // PRELOAD=a.so:b.so opens those first (as the runtime's process has libstable-diffusion.so),
@@ -148,3 +150,9 @@ int main(int argc, char ** argv) {
     }
     return 0;
 }
+
+#ifndef CUDNN_CHECK_LIBRARY
+int main(int argc, char ** argv) {
+    return cudnn_check_main(argc, argv);
+}
+#endif

@@ -978,7 +978,9 @@ print(' '.join(f'{k}={v}' for k, v in best.items()))" 2>/dev/null
 # crashed, with the heuristics' algorithm and with IMPLICIT_PRECOMP_GEMM (ALGO=1), plain and
 # under Python's LC_CTYPE; CHECKS="A;B" runs those settings instead (@SYSLT@ names the CUDA
 # toolkit's cuBLASLt, which the runtime's process has loaded before cuDNN opens its own; @RT@
-# the runtime's library, from a carried build, for PRELOAD).
+# the runtime's library, from a carried build, for PRELOAD). PYTHON=1 runs the check inside
+# Python (bench/cudnn_check_in_python.py), ENGINE=1 after one image of a CUDA engine of ours
+# on the carried build: the next two checks, not yet run.
 cudnnalone() {
     prep
     local lib; lib=$(torch_cudnn)
@@ -994,7 +996,16 @@ cudnnalone() {
         e=${e//@SYSLT@/$sys_lt}
         e=${e//@RT@/$CUDART/libstable-diffusion.so}
         say "== cudnn_check $e"
-        env $e timeout 60 /tmp/cudnn_check "$lib" 2>&1 | grep -v "^cudnn[A-Z]" | tail -16
+        if [[ " $e " == *" PYTHON=1 "* ]]; then
+            [ -e /tmp/cudnn_check.so ] || g++ -O1 -shared -fPIC -DCUDNN_CHECK_LIBRARY \
+                -Wno-deprecated-declarations -I/usr/local/cuda/include bench/cudnn_check.cpp \
+                -o /tmp/cudnn_check.so -L/usr/local/cuda/lib64 -lcudart -ldl
+            env $e SDFARM_BACKEND=cuda SDFARM_RUNTIME_DIR="$CUDART" timeout 120 \
+                $PY bench/cudnn_check_in_python.py /tmp/cudnn_check.so "$lib" 2>&1 |
+                grep -v "^cudnn[A-Z]" | tail -16
+        else
+            env $e timeout 60 /tmp/cudnn_check "$lib" 2>&1 | grep -v "^cudnn[A-Z]" | tail -16
+        fi
         say "exit ${PIPESTATUS[0]}"
     done
 }
