@@ -10,7 +10,7 @@ from pathlib import Path
 
 from sdfarm.native import cudnn, sourcepatch
 
-from helpers.ggmlgraph import run_graph_harness
+from helpers.ggmlgraph import cuda_patched_source, pinned_source, run_graph_harness
 
 
 def test_cudnn_is_used_only_where_the_operator_named_a_file(tmp_path: Path) -> None:
@@ -41,11 +41,7 @@ def test_the_runtime_is_told_the_library_the_estimate_counted_on(tmp_path: Path)
 
 
 def test_the_patch_applies_to_the_pinned_source(tmp_path: Path) -> None:
-    from sdfarm.native import build
-
-    root = build.cache_root()
-    src = build.unpack_sdist(build.fetch_sdist(root), root)
-    out = sourcepatch.apply(src, tmp_path / "patched", sourcepatch.for_backend("cuda"))
+    src, out = pinned_source(), cuda_patched_source(tmp_path)
     conv = (out / sourcepatch.CONV).read_text()
     assert '#include "conv2d_cudnn.cuh"' in conv
     body = conv.split(

@@ -18,7 +18,7 @@ import pytest
 
 from sdfarm.native import sourcepatch
 
-from helpers.ggmlgraph import run_graph_harness
+from helpers.ggmlgraph import cuda_patched_source, pinned_source, run_graph_harness
 
 HARNESS = r"""
 #include <cmath>
@@ -129,11 +129,7 @@ def test_split_group_norm_matches_ggml_with_its_affine(harness: Path) -> None:
 
 
 def test_the_patch_applies_to_the_pinned_source(tmp_path: Path) -> None:
-    from sdfarm.native import build
-
-    root = build.cache_root()
-    src = build.unpack_sdist(build.fetch_sdist(root), root)
-    out = sourcepatch.apply(src, tmp_path / "patched", sourcepatch.for_backend("cuda"))
+    src, out = pinned_source(), cuda_patched_source(tmp_path)
     norm = (out / sourcepatch.NORM).read_text()
     assert '#include "group_norm_split.cuh"' in norm
     assert norm.count("sdfarm_group_norm_launch(ctx, dst, dst, nullptr, nullptr)") == 1

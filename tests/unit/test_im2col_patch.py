@@ -15,6 +15,8 @@ import pytest
 
 from sdfarm.native import sourcepatch
 
+from helpers.ggmlgraph import cuda_patched_source, pinned_source
+
 HARNESS = r"""
 #include <algorithm>
 #include <cstdio>
@@ -127,12 +129,9 @@ def test_tiled_im2col_matches_ggml_layout(tmp_path: Path) -> None:
 
 
 def test_patch_applies_to_the_pinned_source_without_touching_it(tmp_path: Path) -> None:
-    from sdfarm.native import build
-
-    root = build.cache_root()
-    src = build.unpack_sdist(build.fetch_sdist(root), root)
+    src = pinned_source()
     original = (src / sourcepatch.IM2COL).read_text()
-    out = sourcepatch.apply(src, tmp_path / "patched", sourcepatch.for_backend("cuda"))
+    out = cuda_patched_source(tmp_path)
     text = (out / sourcepatch.IM2COL).read_text()
     assert '#include "im2col_tiled.cuh"' in text
     assert text.count("sdfarm_im2col_tiled<T>(") == 1
