@@ -42,6 +42,15 @@ BACKENDS = {
 }
 MODULE_NAME = "_sdfarm_native"
 
+PRIVATE_STDCXX = "-Wl,--exclude-libs,libstdc++.a"
+"""The runtime's link flag (GNU ld, Linux): a libstdc++ linked into the runtime statically
+stays private to it. Some toolchains link it so: the GPU machine's CUDA build defined 4,285
+of libstdc++'s symbols, 106 of them GNU-unique (bench/results/gpu/log-cudnnwhy.txt). A unique
+symbol binds process-wide to its first definition, so the libstdc++.so that cuDNN brings
+later used the runtime's locale facet ids with its own locales: cuDNN's ostream called a
+codecvt facet as its num_put and the process died (SIGSEGV, docs/gpu.md). Where libstdc++ is
+linked dynamically, as on this machine, the flag changes nothing."""
+
 
 class BuildError(RuntimeError):
     """The runtime or the shim could not be built; the message says which step and why."""
@@ -187,8 +196,15 @@ def _cmake_flags(backend: str, native: bool, cli: bool, extra: list[str]) -> lis
         f"-DSDCPP_BUILD_VERSION={SOURCES['sd_version']}",
         f"-DSDCPP_BUILD_COMMIT={SOURCES['sd_commit'][:7]}",
         *BACKENDS[backend],
+        *_linker_flags(),
         *extra,
     ]
+
+
+def _linker_flags() -> list[str]:
+    """PRIVATE_STDCXX where the linker is GNU ld's kind (Linux); none elsewhere."""
+    linux = sys.platform.startswith("linux")
+    return [f"-DCMAKE_SHARED_LINKER_FLAGS={PRIVATE_STDCXX}"] if linux else []
 
 
 def _key(*parts: str) -> str:
