@@ -344,15 +344,16 @@ measured. On the H200 the SD-Turbo-class model decoding with TAESD (im2col, CUDA
 needed 10 KiB a pixel more (memory.IM2COL_DECODE_BYTES_PER_PIXEL)."""
 
 
-CUDNN_DECODE_BYTES_PER_PIXEL = 1536
+CUDNN_DECODE_BYTES_PER_PIXEL = 3072
 """A full-VAE decode's working memory per output pixel beyond the seed's estimate when its
-convolutions run through cuDNN (native/patches/conv2d_cudnn.cuh, experimental): each
-convolution's f16 copy of its input and its f16 output, from ggml's memory pool beside the
-compute graph; the largest, the SD VAE's 256-channel upsampling convolution at the output
-size, is 512 + 512 bytes a pixel, and half as much again covers cuDNN's workspace (64 MiB at
-most) and ggml's direct path, which peaked up to 5% over the seed's estimate on CUDA
-(docs/gpu.md). Counted from the shapes, not measured: the path crashed before its first
-image on the H200."""
+convolutions run through cuDNN (native/patches/conv2d_cudnn.cuh, experimental), from ggml's
+memory pool beside the compute graph: each convolution's f16 copy of its input, its f16
+output and cuDNN's workspace, which the patch caps at half again those two plus 64 MiB (its
+fastest algorithms transpose both to NHWC). The largest, the SD VAE's 256-channel
+upsampling convolution at the output size, is 512 + 512 + 1,536 bytes a pixel; the rest
+covers the 64 MiB down to 256x256 and ggml's direct path, which peaked up to 5% over the
+seed's estimate on CUDA (docs/gpu.md). Counted from the shapes; docs/gpu.md has the
+measured peaks."""
 
 
 def decode_bytes_per_pixel(decoder: str, device: Device) -> int:

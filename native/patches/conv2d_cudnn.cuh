@@ -1,9 +1,10 @@
 // sdfarm: ggml's CUDA direct convolution (GGML_OP_CONV_2D) through cuDNN, loaded at run time
-// (applied by sdfarm.native.sourcepatch). EXPERIMENTAL and off unless SDFARM_CUDNN names a
-// libcudnn.so.9: on the H200 with the cuDNN 9.19 of PyTorch 2.11 (cu130) the runtime's process
-// crashed (SIGSEGV) inside cuDNN's heuristics, in libstdc++'s ostream, at its second
-// convolution, where the same calls in a bare process (bench/cudnn_check.cpp) ran and matched
-// a host convolution (docs/gpu.md, "Convolutions through cuDNN").
+// (applied by sdfarm.native.sourcepatch). Off unless SDFARM_CUDNN names a libcudnn.so.9
+// (sdfarm.native.cudnn). On the H200 with the cuDNN 9.19 of PyTorch 2.11 (cu130) it made a
+// 1024x1024 image 15-30% faster than im2col and its peak 7.8 GiB against 10, with pixels
+// within 3/255 of im2col's (PSNR 53 dB): docs/gpu.md, "Convolutions through cuDNN". (Its
+// first runs crashed inside cuDNN: the runtime exported a static libstdc++, fixed by the
+// build's link flag, sdfarm.native.build.PRIVATE_STDCXX.)
 //
 // stable-diffusion.cpp convolves through im2col + GEMM on CUDA: every 3x3 convolution first
 // writes its input nine times over (a 1024x1024 VAE decode: 41 im2col launches, 36-102 ms of
@@ -18,10 +19,11 @@
 // cuDNN is not linked: the library SDFARM_CUDNN names (the worker names it only when the
 // operator did, sdfarm.native.cudnn) is opened at the first convolution; it opens its
 // sub-libraries from its own folder. SDFARM_CUDNN_ALGO=N takes cuDNN's algorithm N instead of
-// asking its heuristics; SDFARM_CUDNN_TRACE=1 prints every step and a native backtrace on a
+// asking its heuristics, SDFARM_CUDNN_FIND=1 times them all (no faster on the H200);
+// SDFARM_CUDNN_TRACE=1 prints every step, and a native backtrace and the mapped libraries on a
 // crash. A library that does not load, or a convolution cuDNN refuses (int-sized dimensions,
 // a kernel type other than f16/f32), falls back to ggml's kernel, with one warning. The
-// accumulation differs from cuBLAS's f16 GEMM, so pixels would move by a rounding.
+// accumulation differs from cuBLAS's f16 GEMM, so pixels move by a rounding.
 #pragma once
 
 #include <cstdint>
@@ -82,6 +84,18 @@ static void sdfarm_cudnn_on_crash(int sig) {
     const int n = backtrace(frames, 64);
     fprintf(stderr, "sdfarm cudnn: signal %d, backtrace:\n", sig);
     backtrace_symbols_fd(frames, n, 2);
+    // and every library mapped, once each: which of them could answer libstdc++'s symbols
+    if (FILE * maps = fopen("/proc/self/maps", "r")) {
+        char line[1024], last[1024] = "";
+        while (fgets(line, sizeof line, maps)) {
+            const char * path = strchr(line, '/');
+            if (path != nullptr && strstr(path, ".so") != nullptr && strcmp(path, last) != 0) {
+                fprintf(stderr, "sdfarm cudnn: mapped %s", path);
+                snprintf(last, sizeof last, "%s", path);
+            }
+        }
+        fclose(maps);
+    }
     signal(sig, SIG_DFL);
     raise(sig);
 }
@@ -126,6 +140,9 @@ struct sdfarm_cudnn_api {
     int (*get_algo_v7)(sdfarm_cudnn_handle, sdfarm_cudnn_tensor_desc, sdfarm_cudnn_filter_desc,
                        sdfarm_cudnn_conv_desc, sdfarm_cudnn_tensor_desc, int requested, int * returned,
                        sdfarm_cudnn_algo_perf * perf);
+    int (*find_algo)(sdfarm_cudnn_handle, sdfarm_cudnn_tensor_desc, sdfarm_cudnn_filter_desc,
+                     sdfarm_cudnn_conv_desc, sdfarm_cudnn_tensor_desc, int requested, int * returned,
+                     sdfarm_cudnn_algo_perf * perf);
     int (*workspace_size)(sdfarm_cudnn_handle, sdfarm_cudnn_tensor_desc, sdfarm_cudnn_filter_desc,
                           sdfarm_cudnn_conv_desc, sdfarm_cudnn_tensor_desc, int algo, size_t * bytes);
     int (*forward)(sdfarm_cudnn_handle, const void * alpha, sdfarm_cudnn_tensor_desc, const void * x,
@@ -135,7 +152,15 @@ struct sdfarm_cudnn_api {
     const char * (*error_string)(int);
 };
 
-#define SDFARM_CUDNN_MAX_WORKSPACE (64u << 20)  // bytes: docs/gpu.md, native/estimate.py count it
+// The most workspace one convolution's algorithm may take: half again the bytes of its f16
+// input and output, plus 64 MiB. cuDNN's tensor-core algorithms read NHWC, so the fastest for
+// our NCHW tensors transposes both into its workspace (1.0-1.3x of input + output for the
+// VAE's shapes on the H200, bench/cudnn_check.cpp). With a fixed 64 MiB the VAE's large
+// convolutions took slower algorithms and images were 2-3x slower than im2col's (docs/gpu.md).
+// native/estimate.py counts it (CUDNN_DECODE_BYTES_PER_PIXEL).
+static size_t sdfarm_cudnn_max_workspace(int64_t in_elems, int64_t out_elems) {
+    return (size_t) (3 * (in_elems + out_elems)) + ((size_t) 64 << 20);
+}
 
 // The cuDNN functions, or nullptr when it is off or did not load (said once).
 static const sdfarm_cudnn_api * sdfarm_cudnn() {
@@ -149,9 +174,7 @@ static const sdfarm_cudnn_api * sdfarm_cudnn() {
             signal(SIGSEGV, sdfarm_cudnn_on_crash);
         }
         SDFARM_CUDNN_TRACE("opening %s\n", lib.c_str());
-        // RTLD_LOCAL: the shim opens its sub-libraries from its own folder. Opening them
-        // ourselves with RTLD_GLOBAL first crashed cuDNN's heuristics inside libstdc++ on the
-        // H200 (the second convolution's cudnnGetConvolutionForwardAlgorithm_v7).
+        // RTLD_LOCAL: the shim opens its sub-libraries from its own folder.
         void * h = dlopen(lib.c_str(), RTLD_NOW | RTLD_LOCAL);
         if (h == nullptr) {
             GGML_LOG_WARN("sdfarm: cuDNN (%s) did not load (%s): ggml's direct convolution runs\n",
@@ -177,6 +200,7 @@ static const sdfarm_cudnn_api * sdfarm_cudnn() {
         sym(a.workspace_size, "cudnnGetConvolutionForwardWorkspaceSize");
         sym(a.forward, "cudnnConvolutionForward");
         sym(a.error_string, "cudnnGetErrorString");
+        a.find_algo = reinterpret_cast<decltype(a.find_algo)>(dlsym(h, "cudnnFindConvolutionForwardAlgorithm"));
         if (!ok) {
             GGML_LOG_WARN("sdfarm: %s lacks cuDNN 9's convolution API: ggml's direct convolution runs\n",
                           lib.c_str());
@@ -209,7 +233,7 @@ static void sdfarm_cudnn_fail(const sdfarm_cudnn_api * a, int status, const char
 }
 
 // The plan of a shape on `device`, made once (descriptors and the first algorithm cuDNN's
-// heuristics rank that needs at most SDFARM_CUDNN_MAX_WORKSPACE), or nullptr.
+// heuristics rank that needs at most sdfarm_cudnn_max_workspace), or nullptr.
 static const sdfarm_conv_plan * sdfarm_cudnn_plan(const sdfarm_cudnn_api * a, sdfarm_cudnn_handle h,
                                                   int device, const sdfarm_conv_shape & s) {
     static std::mutex mu;
@@ -222,6 +246,7 @@ static const sdfarm_conv_plan * sdfarm_cudnn_plan(const sdfarm_cudnn_api * a, sd
     }
     const auto [N, IC, IH, IW, OC, KH, KW, OH, OW, PH, PW, SH, SW, DH] = s;
     const int DW = DH;  // ggml's CONV_2D gives both; the caller refuses them unequal
+    const size_t max_ws = sdfarm_cudnn_max_workspace((int64_t) N * IC * IH * IW, (int64_t) N * OC * OH * OW);
     sdfarm_conv_plan p = {};
     int st = a->create_tensor(&p.x);
     st = st ? st : a->set_tensor_4d(p.x, SDFARM_CUDNN_TENSOR_NCHW, SDFARM_CUDNN_DATA_HALF, N, IC, IH, IW);
@@ -242,7 +267,7 @@ static const sdfarm_conv_plan * sdfarm_cudnn_plan(const sdfarm_cudnn_api * a, sd
         p.algo = atoi(forced);
         st = a->workspace_size(h, p.x, p.w, p.conv, p.y, p.algo, &p.workspace);
         SDFARM_CUDNN_TRACE("algorithm %d (SDFARM_CUDNN_ALGO): %d, %zu bytes\n", p.algo, st, p.workspace);
-        if (st == SDFARM_CUDNN_STATUS_SUCCESS && p.workspace <= SDFARM_CUDNN_MAX_WORKSPACE) {
+        if (st == SDFARM_CUDNN_STATUS_SUCCESS && p.workspace <= max_ws) {
             return &plans.emplace(key, p).first->second;
         }
         sdfarm_cudnn_fail(a, st, "SDFARM_CUDNN_ALGO");
@@ -252,7 +277,15 @@ static const sdfarm_conv_plan * sdfarm_cudnn_plan(const sdfarm_cudnn_api * a, sd
     int n = 0;
     SDFARM_CUDNN_TRACE("plan N%d IC%d %dx%d -> OC%d %dx%d k%dx%d pad %d,%d stride %d,%d dil %d\n", N, IC, IH, IW,
                        OC, OH, OW, KH, KW, PH, PW, SH, SW, DH);
-    st = a->get_algo_v7(h, p.x, p.w, p.conv, p.y, 16, &n, perf);
+    // SDFARM_CUDNN_FIND=1 times every algorithm once (cudnnFind: it allocates their
+    // workspaces itself and synchronizes) and ranks them by time, where the heuristics rank
+    // by a model of the GPU: for measurement.
+    const char * find = getenv("SDFARM_CUDNN_FIND");
+    if (find != nullptr && find[0] == '1' && a->find_algo != nullptr) {
+        st = a->find_algo(h, p.x, p.w, p.conv, p.y, 16, &n, perf);
+    } else {
+        st = a->get_algo_v7(h, p.x, p.w, p.conv, p.y, 16, &n, perf);
+    }
     SDFARM_CUDNN_TRACE("algo_v7 %d: %d algorithms, first %d (status %d, %zu bytes)\n", st, n, n > 0 ? perf[0].algo : -1,
                        n > 0 ? perf[0].status : -1, n > 0 ? perf[0].memory : (size_t) 0);
     if (st != SDFARM_CUDNN_STATUS_SUCCESS) {
@@ -260,9 +293,11 @@ static const sdfarm_conv_plan * sdfarm_cudnn_plan(const sdfarm_cudnn_api * a, sd
         return nullptr;
     }
     for (int k = 0; k < n; k++) {
-        if (perf[k].status == SDFARM_CUDNN_STATUS_SUCCESS && perf[k].memory <= SDFARM_CUDNN_MAX_WORKSPACE) {
+        if (perf[k].status == SDFARM_CUDNN_STATUS_SUCCESS && perf[k].memory <= max_ws) {
             p.algo      = perf[k].algo;
             p.workspace = perf[k].memory;
+            SDFARM_CUDNN_TRACE("chose algorithm %d (rank %d, %zu bytes, %.3f ms)\n", p.algo, k, p.workspace,
+                               perf[k].time);
             return &plans.emplace(key, p).first->second;
         }
     }
