@@ -53,6 +53,15 @@
 #                                   # against im2col: ms, pixels, GPU memory; the farm under
 #                                   # MPS (N=4) at the four cases with the fastest; the peer's b1
 #   bash bench/gpu_run.sh cudnndebug # why a cuDNN process crashed: traced image, backtrace
+#   bash bench/gpu_run.sh cudnnwhy  # build here; the cuDNN checks in Python and beside an engine,
+#                                   # traced images per setting, then the first that works measured
+#   bash bench/gpu_run.sh cudnnfix  # build here; after the libstdc++ fix: a traced image, cuDNN
+#                                   # (heuristics, cudnnFind) against im2col, peak vs estimate
+#   bash bench/gpu_run.sh cudnnfarm # cudnnfix's build carried: the farm through cuDNN under MPS
+#                                   # at the peer table's cases (N = 4; 2, 8 at 1024); eager b1
+#   bash bench/gpu_run.sh cudnnn8   # the same carried: the 4-step cases at N = 8; eager b1
+#   bash bench/gpu_run.sh cudnndecode # the same carried: the decode table, direct = cuDNN
+#   bash bench/gpu_run.sh peer512c  # the peer at 512: eager batch 1, compiled batch 4
 #   bash bench/gpu_run.sh cudnnalone # cuDNN alone (bench/cudnn_check.cpp), no build needed
 #
 # Carried: .whl/*.whl (our dependencies and pytest for python3.12), .carry/{redis-server,
@@ -1010,6 +1019,154 @@ cudnnalone() {
     done
 }
 
+# exporters FILE: the libraries FILE lists (one a line) that define any of libstdc++'s
+# locale/ostream symbols besides libstdc++ itself: what could answer cuDNN's calls instead.
+exporters() {
+    local so n
+    while read -r so; do
+        [ -e "$so" ] && [[ "$so" != *libstdc++* ]] || continue
+        n=$(nm -D --defined-only "$so" 2>/dev/null | grep -c ' _ZNSt6locale\| _ZNSo9_M_insert\| _ZNSt9basic_ios')
+        [ "$n" -gt 0 ] && say "  $so defines $n of libstdc++'s locale/ostream symbols"
+    done < "$1"
+    say "  (of $(wc -l < "$1") libraries mapped)"
+}
+
+# Why the runtime's process crashed in cuDNN (docs/gpu.md, "Convolutions through cuDNN"): the
+# check inside Python (plain, libstdc++ opened RTLD_GLOBAL first, libstdc++ preloaded) while
+# the CUDA runtime builds; then beside a CUDA engine; then one traced image of the real patch
+# per setting; the first setting that makes an image is measured against im2col (ms, pixels,
+# GPU memory). The build is packed to carry next time.
+cudnnwhy() {
+    prep
+    mkdir -p "$OUT/cuda"
+    models_start
+    local lib; lib=$(torch_cudnn)
+    say "cuDNN: $lib; building the CUDA runtime in the background"
+    ( NOPACK=1 cuda_ensure ) > /tmp/cuda-build.log 2>&1 &
+    local bpid=$! stdcxx=/lib/x86_64-linux-gnu/libstdc++.so.6
+    CHECKS="PYTHON=1 MAPS=/tmp/maps-python.txt;PYTHON=1 STDCXX_GLOBAL=1;PYTHON=1 LD_PRELOAD=$stdcxx" cudnnalone
+    [ -e /tmp/maps-python.txt ] && exporters /tmp/maps-python.txt
+    wait "$bpid"
+    tail -3 /tmp/cuda-build.log
+    cuda_built || { say "no CUDA runtime: stopping here"; return; }
+    CUDA_DIR=$(cuda_field directory)
+    CUDART=$CUDA_DIR
+    PACK_NICE="nice -n 19" pack_cuda > /tmp/pack.log 2>&1 &
+    CHECKS="PYTHON=1 ENGINE=1 MAPS=/tmp/maps-engine.txt" cudnnalone
+    [ -e /tmp/maps-engine.txt ] && exporters /tmp/maps-engine.txt
+    models_wait
+    local v works=""
+    for v in "SDFARM_CUDNN_TRACE=1" "SDFARM_CUDNN_STDCXX=1" "LD_PRELOAD=$stdcxx" \
+            "SDFARM_GROUPNORM_SPLIT=0 SDFARM_IM2COL_TILED=0"; do
+        say "== one traced image with cuDNN: $v"
+        # shellcheck disable=SC2086
+        env $v SDFARM_CUDNN="$lib" SDFARM_CUDNN_TRACE=1 SDFARM_RUNTIME_DIR="$CUDA_DIR" timeout 60 \
+            $PY bench/build_options.py --child --model "$MODEL" --device CUDA0 --sizes 512 --images 1 \
+            --save /tmp/why > /tmp/why.txt 2>&1
+        local rc=$?
+        grep -v "sdfarm cudnn: mapped\|sdfarm cudnn: plan\|sdfarm cudnn: forward\|sdfarm cudnn: algo" /tmp/why.txt |
+            tail -12
+        say "== exit $rc"
+        if grep -q "sdfarm cudnn: mapped" /tmp/why.txt; then
+            sed -n 's/^sdfarm cudnn: mapped //p' /tmp/why.txt > /tmp/maps-crash.txt
+            exporters /tmp/maps-crash.txt
+        fi
+        [ $rc -eq 0 ] && [ -z "$works" ] && works=$v
+    done
+    wait
+    tail -2 /tmp/pack.log
+    if [ -n "$works" ]; then
+        local env=${works// /,}
+        [ "$env" = SDFARM_CUDNN_TRACE=1 ] && env=""
+        say "measuring cuDNN with '$env' against im2col"
+        options cudnn 150 --variant "im2col=$CUDA_DIR" --variant "cudnn=$CUDA_DIR:SDFARM_CUDNN=$lib${env:+,$env}" \
+            --variant "cudnn-algo1=$CUDA_DIR:SDFARM_CUDNN=$lib,SDFARM_CUDNN_ALGO=1${env:+,$env}" \
+            --variant "im2col-again=$CUDA_DIR" --variant "cudnn-again=$CUDA_DIR:SDFARM_CUDNN=$lib${env:+,$env}"
+    fi
+}
+
+# After the fixes cudnnwhy pointed to (the runtime keeps a static libstdc++ private:
+# native/build.py PRIVATE_STDCXX; cuDNN's workspace capped by the tensors, not at 64 MiB):
+# build here; the libstdc++ symbols the runtime still defines; one traced image through cuDNN
+# with nothing preloaded; cuDNN (heuristics; cudnnFind) against im2col: ms, pixels; the peak
+# GPU memory through cuDNN against its estimate. The build is packed to carry next time.
+cudnnfix() {
+    PACK_LATER=1 ensure
+    mkdir -p "$OUT/cuda"
+    local lib so; lib=$(torch_cudnn)
+    so=$CUDA_DIR/libstable-diffusion.so
+    say "libstdc++'s locale/ostream symbols the runtime defines:" \
+        "$(nm -D --defined-only "$so" | grep -c ' _ZNSt6locale\| _ZNSo9_M_insert\| _ZNSt9basic_ios')," \
+        "GNU-unique symbols: $(nm -D --defined-only "$so" | grep -c ' u ')," \
+        "libstdc++ needed: $(readelf -d "$so" | grep -c 'libstdc++')"
+    say "== one traced image through cuDNN ($lib), nothing preloaded"
+    SDFARM_CUDNN="$lib" SDFARM_CUDNN_TRACE=1 SDFARM_RUNTIME_DIR="$CUDA_DIR" timeout 60 \
+        $PY bench/build_options.py --child --model "$MODEL" --device CUDA0 --sizes 512 --images 1 \
+        --save /tmp/fix > /tmp/fix.txt 2>&1
+    say "== exit $?"
+    grep "sdfarm cudnn: plan\|chose\|@@build\|signal\|refused" /tmp/fix.txt | head -70
+    options cudnnfix 170 --variant "im2col=$CUDA_DIR" --variant "cudnn=$CUDA_DIR:SDFARM_CUDNN=$lib" \
+        --variant "cudnn-find=$CUDA_DIR:SDFARM_CUDNN=$lib,SDFARM_CUDNN_FIND=1" \
+        --variant "im2col-again=$CUDA_DIR" --variant "cudnn-again=$CUDA_DIR:SDFARM_CUDNN=$lib"
+    ( export SDFARM_CUDNN="$lib"; suite 60 memory --out "$OUT/cuda-cudnn" --backend cuda \
+        --runtime-dir "$CUDA_DIR" --model "$MODEL" --sizes 512,1024 )
+    pack_wait
+}
+
+# The peer table with convolutions through cuDNN (the build cudnnfix packed, carried): the
+# farm under MPS at N = 4 at the four cases, N = 2 and 8 at 1024 x 1 step, then the same
+# lease's diffusers eager batch 1.
+cudnnfarm() {
+    ensure
+    mkdir -p "$OUT/cuda"
+    SDFARM_CUDNN=$(torch_cudnn)
+    export SDFARM_CUDNN
+    say "cuDNN: $SDFARM_CUDNN"
+    if mps_start; then
+        farm_cases cudnn-mps 4 2 70
+        farm_cases cudnn-mps-n28 2,8 2 90 "1024:1:16"
+        mps_stop
+    fi
+    peer_eager cudnn-farm-lease 1,4
+}
+
+# cudnnfarm's 4-step cases at N = 8 (1024 x 4 steps was 0.97x the peer's eager batch 1 at
+# N = 4), then the same lease's eager batch 1 at 4 steps.
+cudnnn8() {
+    ensure
+    mkdir -p "$OUT/cuda"
+    SDFARM_CUDNN=$(torch_cudnn)
+    export SDFARM_CUDNN
+    if mps_start; then
+        farm_cases cudnn-mps-n8 8 2 80 "1024:4:12 512:4:30"
+        mps_stop
+    fi
+    peer_eager cudnn-n8-lease 4
+}
+
+# The decode table with direct convolution through cuDNN (SDFARM_CUDNN named; sd-cli's default
+# case keeps im2col), on the build cudnnfix packed.
+cudnndecode() {
+    ensure
+    mkdir -p "$OUT/cuda"
+    SDFARM_CUDNN=$(torch_cudnn)
+    export SDFARM_CUDNN
+    stage 110 decode-cudnn bench/decode_options.py --cli "$CLI" --model "$MODEL" \
+        --taesd-model "$TAESD" --sizes 512,1024 --batch 4 --case-timeout 40 \
+        --out "$OUT/cuda/cuda-decode-options-cudnn.json"
+}
+
+# The peer at 512 only, eager batch 1 and compiled batch 4 (compiling for 1024 takes 5 minutes
+# more): the compiled column of the cuDNN lease's table.
+peer512c() {
+    prep
+    mkdir -p "$OUT/cuda"
+    local left=$(( PHASE_BUDGET - $(now) - 5 ))
+    timeout "$left" $PY bench/peer_diffusers.py --sizes 512 --steps 1,4 --batches 1 --compile \
+        --compile-batches 4 --runs 5 --deadline $(( left - 10 )) \
+        --out "$OUT/cuda/cuda-peer-diffusers-compiled-512.json"
+}
+
 # The image-to-video test model's GPU peak against its estimate; TAESD under MPS at N = 2, 4.
 i2vmps() {
     PACK_LATER=1 ensure
@@ -1057,7 +1214,7 @@ peertwo() {
 case "$PHASE" in
     setup | bench1 | bench2) ;;
     cuda_recheck | cudafarm | overhead | speedbatch | gputests | cpu1024 | twogpu) ;;
-    features | tiling | peer | tilingpeer | decodefarm | lanes | extras | cudaopts | cudamore | vulkan | vkcheck | peerone | peertwo | peerthree | effprefetch | nextlease | chainlease | i2vmps | lookahead | profile | lookprofile | im2col2 | im2col4 | gnorm | gnormpeer | im2colvec | vecmore | effahead | cublas32 | effbacklog | cudnndebug | cudnnall | cudnnalone) ;;
+    features | tiling | peer | tilingpeer | decodefarm | lanes | extras | cudaopts | cudamore | vulkan | vkcheck | peerone | peertwo | peerthree | effprefetch | nextlease | chainlease | i2vmps | lookahead | profile | lookprofile | im2col2 | im2col4 | gnorm | gnormpeer | im2colvec | vecmore | effahead | cublas32 | effbacklog | cudnndebug | cudnnall | cudnnalone | cudnnwhy | cudnnfix | cudnnfarm | cudnnn8 | cudnndecode | peer512c) ;;
     *) echo "usage: bash bench/gpu_run.sh setup|bench1|bench2|cuda_recheck|cudafarm|overhead|speedbatch|gputests|cpu1024|twogpu|features|tiling|peer|tilingpeer|decodefarm|lanes|extras|cudaopts|cudamore|vulkan|vkcheck|peerone|peertwo|peerthree|effprefetch|nextlease|chainlease|i2vmps|lookahead|profile" >&2; exit 2 ;;
 esac
 set -o pipefail
