@@ -279,14 +279,24 @@ a margin for a context the file's size does not change. The full-size f16 model'
 quarter had hidden it (4.83 GiB peak against 6.04). Vulkan's is not measured: 0 there."""
 
 
+CUDNN_WORKSPACE_FIXED_BYTES = 64 * memory.MiB
+"""The fixed part of the workspace our cuDNN patch lets one convolution take
+(native/patches/conv2d_cudnn.cuh, sdfarm_cudnn_max_workspace: half again its f16 input and
+output, which CUDNN_DECODE_BYTES_PER_PIXEL counts, plus this): once per process, beside its
+context, where a cuDNN is named."""
+
+
 def context_bytes(device: Device) -> int:
-    """The per-process backend term of `device`'s estimates (CUDA_CONTEXT_BYTES on CUDA)."""
-    return CUDA_CONTEXT_BYTES if device.name.upper().startswith("CUDA") else 0
+    """The per-process backend term of `device`'s estimates: on CUDA, CUDA_CONTEXT_BYTES, and
+    CUDNN_WORKSPACE_FIXED_BYTES more where the operator named a cuDNN; 0 elsewhere."""
+    if not device.name.upper().startswith("CUDA"):
+        return 0
+    return CUDA_CONTEXT_BYTES + (CUDNN_WORKSPACE_FIXED_BYTES if cudnn.library() else 0)
 
 
 def use_conv_direct(device: str) -> bool:
     """Direct convolution (no im2col buffer): everywhere but CUDA, and on CUDA where the
-    operator named a cuDNN (sdfarm.native.cudnn, experimental), which our CUDA build runs it
+    operator named a cuDNN (sdfarm.native.cudnn), which our CUDA build runs it
     through. ggml's own CUDA direct convolution is 27x slower than im2col (see
     use_vae_conv_direct), so a CUDA engine without cuDNN keeps im2col.
     `SDFARM_VAE_CONV_DIRECT=0|1` overrides, for measurements."""
@@ -346,14 +356,16 @@ needed 10 KiB a pixel more (memory.IM2COL_DECODE_BYTES_PER_PIXEL)."""
 
 CUDNN_DECODE_BYTES_PER_PIXEL = 3072
 """A full-VAE decode's working memory per output pixel beyond the seed's estimate when its
-convolutions run through cuDNN (native/patches/conv2d_cudnn.cuh, experimental), from ggml's
+convolutions run through cuDNN (native/patches/conv2d_cudnn.cuh, an operator's switch), from ggml's
 memory pool beside the compute graph: each convolution's f16 copy of its input, its f16
 output and cuDNN's workspace, which the patch caps at half again those two plus 64 MiB (its
 fastest algorithms transpose both to NHWC). The largest, the SD VAE's 256-channel
-upsampling convolution at the output size, is 512 + 512 + 1,536 bytes a pixel; the rest
-covers the 64 MiB down to 256x256 and ggml's direct path, which peaked up to 5% over the
-seed's estimate on CUDA (docs/gpu.md). Counted from the shapes; docs/gpu.md has the
-measured peaks."""
+upsampling convolution at the output size, is 512 + 512 + 1,536 bytes a pixel (the 64 MiB is
+CUDNN_WORKSPACE_FIXED_BYTES, in the context term); the rest covers ggml's direct path, which
+peaked up to 5% over the seed's estimate on CUDA. Measured on the H200 (2026-12-02,
+bench/results/gpu/cuda-cudnn-gpu-memory.json): the SD-Turbo-class model peaked at 4.27 /
+7.83 GiB at 512 / 1024 against estimates of 4.79 / 9.29, made before the fixed 64 MiB
+joined the context term (docs/gpu.md)."""
 
 
 def decode_bytes_per_pixel(decoder: str, device: Device) -> int:

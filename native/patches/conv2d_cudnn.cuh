@@ -54,6 +54,16 @@ static int sdfarm_conv2d_bias_node(const ggml_cgraph * cgraph, int i) {
                       b->ne[0] == 1 && b->ne[1] == 1 && b->ne[2] == conv->ne[2] && b->ne[3] == 1;
     return fuse ? j : -1;
 }
+
+// The most workspace one convolution's algorithm may take: half again the bytes of its f16
+// input and output, plus 64 MiB. cuDNN's tensor-core algorithms read NHWC, so the fastest for
+// our NCHW tensors transposes both into its workspace (1.0-1.3x of input + output for the
+// VAE's shapes on the H200, bench/cudnn_check.cpp). With a fixed 64 MiB the VAE's large
+// convolutions took slower algorithms and images were 2-3x slower than im2col's (docs/gpu.md).
+// native/estimate.py counts it (CUDNN_DECODE_BYTES_PER_PIXEL, CUDNN_WORKSPACE_FIXED_BYTES).
+static size_t sdfarm_cudnn_max_workspace(int64_t in_elems, int64_t out_elems) {
+    return (size_t) (3 * (in_elems + out_elems)) + ((size_t) 64 << 20);
+}
 #endif
 
 #ifdef __CUDACC__
@@ -151,16 +161,6 @@ struct sdfarm_cudnn_api {
                    sdfarm_cudnn_tensor_desc, void * y);
     const char * (*error_string)(int);
 };
-
-// The most workspace one convolution's algorithm may take: half again the bytes of its f16
-// input and output, plus 64 MiB. cuDNN's tensor-core algorithms read NHWC, so the fastest for
-// our NCHW tensors transposes both into its workspace (1.0-1.3x of input + output for the
-// VAE's shapes on the H200, bench/cudnn_check.cpp). With a fixed 64 MiB the VAE's large
-// convolutions took slower algorithms and images were 2-3x slower than im2col's (docs/gpu.md).
-// native/estimate.py counts it (CUDNN_DECODE_BYTES_PER_PIXEL).
-static size_t sdfarm_cudnn_max_workspace(int64_t in_elems, int64_t out_elems) {
-    return (size_t) (3 * (in_elems + out_elems)) + ((size_t) 64 << 20);
-}
 
 // The cuDNN functions, or nullptr when it is off or did not load (said once).
 static const sdfarm_cudnn_api * sdfarm_cudnn() {

@@ -1,21 +1,28 @@
 """Convolutions through cuDNN on CUDA (native/patches/conv2d_cudnn.cuh, native/cudnn.py; an
-experimental switch): which library a worker names to its runtime, the patch applying to the
-pinned source, and the fusion's graph walk on a graph the pinned ggml builds (the CPU
-runtime's library). The cuDNN calls themselves need a GPU (bench/gpu_run.sh cudnnall,
-cudnnalone; docs/gpu.md)."""
+operator's switch): which library a worker names to its runtime, the patch applying to the
+pinned source, the fusion's graph walk on a graph the pinned ggml builds (the CPU runtime's
+library), and the workspace the patch allows against what the estimate counts. The cuDNN
+calls themselves need a GPU (bench/gpu_run.sh cudnnfix, cudnnalone; docs/gpu.md)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 from sdfarm.native import cudnn, sourcepatch
+from sdfarm.native.devices import Device
+from sdfarm.native.estimate import (
+    CUDA_CONTEXT_BYTES,
+    CUDNN_DECODE_BYTES_PER_PIXEL,
+    CUDNN_WORKSPACE_FIXED_BYTES,
+    context_bytes,
+)
 
 from helpers.ggmlgraph import cuda_patched_source, pinned_source, run_graph_harness
 
 
 def test_cudnn_is_used_only_where_the_operator_named_a_file(tmp_path: Path) -> None:
-    """Experimental (it crashed the runtime's process on the H200): never found on its own,
-    only a named file counts."""
+    """An operator's switch (it moves pixels by a rounding): never found on its own, only a
+    named file counts."""
     lib = tmp_path / "libcudnn.so.9"
     lib.write_bytes(b"")
     assert cudnn.find({}) is None
@@ -117,3 +124,64 @@ def test_the_bias_add_fuses_only_where_it_is_ggml_ext_conv_2ds(tmp_path: Path) -
     assert "(ADD) between: RESHAPE" in lines[0], lines[0]
     assert lines[1].endswith("bias add -1"), lines[1]
     assert lines[2].endswith("bias add -1"), lines[2]
+
+
+WORKSPACE_HARNESS = r"""
+#include <cstdio>
+#include "ggml.h"
+#include "ggml-impl.h"
+#define SDFARM_HOST_GRAPH 1
+#include "conv2d_cudnn.cuh"
+
+int main() {
+    long long in_out[][2];
+    return 0;
+}
+"""
+
+
+def workspace_caps(tmp_path: Path, shapes: list[tuple[int, int, int]]) -> list[int]:
+    """sdfarm_cudnn_max_workspace of the patch for 3x3 convolutions C -> K at S x S."""
+    calls = "\n".join(
+        f'    printf("%zu\\n", sdfarm_cudnn_max_workspace({c * s * s}LL, {k * s * s}LL));'
+        for c, k, s in shapes
+    )
+    source = WORKSPACE_HARNESS.replace("    long long in_out[][2];\n", calls + "\n")
+    return [int(line) for line in run_graph_harness(tmp_path, source)]
+
+
+def test_the_workspace_cap_admits_the_algorithm_cudnn_ranked_first(tmp_path: Path) -> None:
+    """The heuristics' first algorithm (implicit-precomputed GEMM) for bench/cudnn_check.cpp's
+    shapes on the H200 (bench/results/gpu/log-cudnnalone-3.txt) fits the cap; a fixed 64 MiB
+    refused the larger two, and images were 2-3x slower."""
+    ranked_first = {(320, 320, 8): 1_926_416, (128, 128, 256): 42_238_835,
+                    (256, 256, 512): 269_616_275}  # fmt: skip
+    caps = workspace_caps(tmp_path, list(ranked_first))
+    for (shape, needed), cap in zip(ranked_first.items(), caps, strict=True):
+        assert cap >= needed, shape
+    assert workspace_caps(tmp_path, [(0, 0, 0)]) == [CUDNN_WORKSPACE_FIXED_BYTES]
+
+
+def test_the_estimate_counts_the_largest_decode_convolution_at_every_size(tmp_path) -> None:
+    """Per decoded pixel, CUDNN_DECODE_BYTES_PER_PIXEL holds the SD VAE's largest
+    convolution (256 -> 256 channels at the output size): its f16 input and output copies and
+    the workspace the patch allows, less the fixed part, which the context term holds."""
+    sides = (64, 256, 512, 1024, 2048)
+    caps = workspace_caps(tmp_path, [(256, 256, s) for s in sides])
+    for side, cap in zip(sides, caps, strict=True):
+        pixels = side * side
+        copies = 2 * (256 * pixels * 2)  # f16 input and output
+        assert CUDNN_DECODE_BYTES_PER_PIXEL * pixels >= copies + cap - CUDNN_WORKSPACE_FIXED_BYTES
+
+
+def test_a_named_cudnn_adds_its_fixed_workspace_to_a_cuda_processs_context(
+    tmp_path: Path, monkeypatch
+) -> None:
+    lib = tmp_path / "libcudnn.so.9"
+    lib.write_bytes(b"")
+    cuda, cpu = Device(0, "CUDA0", "H200", "gpu", 1, 1), Device(0, "CPU", "Xeon", "cpu", 1, 1)
+    monkeypatch.setenv(cudnn.ENV, "0")
+    assert context_bytes(cuda) == CUDA_CONTEXT_BYTES
+    monkeypatch.setenv(cudnn.ENV, str(lib))
+    assert context_bytes(cuda) == CUDA_CONTEXT_BYTES + CUDNN_WORKSPACE_FIXED_BYTES
+    assert context_bytes(cpu) == 0
