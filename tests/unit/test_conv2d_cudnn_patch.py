@@ -35,6 +35,25 @@ def test_cudnn_is_used_only_where_the_operator_named_a_file(tmp_path: Path) -> N
     assert cudnn.find({cudnn.ENV: "/x.so"}, is_file=lambda p: p == Path("/x.so")) == Path("/x.so")
 
 
+def test_auto_takes_the_first_cudnn_of_this_pythons_wheels_then_the_systems(tmp_path) -> None:
+    """SDFARM_CUDNN=auto: a cuDNN wheel in a sys.path folder (nvidia/cudnn/lib, where
+    nvidia-cudnn-cu13 and PyTorch's put it) before the system's folders; none found is off."""
+    site, system = tmp_path / "site", tmp_path / "usr-lib"
+    assert cudnn.search_dirs([str(site), ""]) == [
+        site / "nvidia" / "cudnn" / "lib",
+        *map(Path, cudnn.SYSTEM_DIRS),
+    ]
+    wheel = site / "nvidia" / "cudnn" / "lib"
+    wheel.mkdir(parents=True)
+    system.mkdir()
+    (system / cudnn.LIBRARY).write_bytes(b"")
+    dirs = [wheel, system]
+    assert cudnn.find({cudnn.ENV: "auto"}, dirs=dirs) == system / cudnn.LIBRARY
+    (wheel / cudnn.LIBRARY).write_bytes(b"")
+    assert cudnn.find({cudnn.ENV: " auto "}, dirs=dirs) == wheel / cudnn.LIBRARY
+    assert cudnn.find({cudnn.ENV: "auto"}, dirs=[tmp_path / "none"]) is None
+
+
 def test_the_runtime_is_told_the_library_the_estimate_counted_on(tmp_path: Path) -> None:
     """export names the found file to the runtime, or 0 so that it opens none of its own."""
     lib = tmp_path / "libcudnn.so.9"
