@@ -1113,15 +1113,20 @@ cudnnfix() {
     pack_wait
 }
 
-# The peer table with convolutions through cuDNN (the build cudnnfix packed, carried): the
-# farm under MPS at N = 4 at the four cases, N = 2 and 8 at 1024 x 1 step, then the same
-# lease's diffusers eager batch 1.
-cudnnfarm() {
+# ensure, and the machine's PyTorch's cuDNN named to every process started after (SDFARM_CUDNN).
+ensure_cudnn() {
     ensure
     mkdir -p "$OUT/cuda"
     SDFARM_CUDNN=$(torch_cudnn)
     export SDFARM_CUDNN
     say "cuDNN: $SDFARM_CUDNN"
+}
+
+# The peer table with convolutions through cuDNN (the build cudnnfix packed, carried): the
+# farm under MPS at N = 4 at the four cases, N = 2 and 8 at 1024 x 1 step, then the same
+# lease's diffusers eager batch 1.
+cudnnfarm() {
+    ensure_cudnn
     if mps_start; then
         farm_cases cudnn-mps 4 2 70
         farm_cases cudnn-mps-n28 2,8 2 90 "1024:1:16"
@@ -1133,10 +1138,7 @@ cudnnfarm() {
 # cudnnfarm's 4-step cases at N = 8 (1024 x 4 steps was 0.97x the peer's eager batch 1 at
 # N = 4), then the same lease's eager batch 1 at 4 steps.
 cudnnn8() {
-    ensure
-    mkdir -p "$OUT/cuda"
-    SDFARM_CUDNN=$(torch_cudnn)
-    export SDFARM_CUDNN
+    ensure_cudnn
     if mps_start; then
         farm_cases cudnn-mps-n8 8 2 80 "1024:4:12 512:4:30"
         mps_stop
@@ -1147,10 +1149,7 @@ cudnnn8() {
 # The decode table with direct convolution through cuDNN (SDFARM_CUDNN named; sd-cli's default
 # case keeps im2col), on the build cudnnfix packed.
 cudnndecode() {
-    ensure
-    mkdir -p "$OUT/cuda"
-    SDFARM_CUDNN=$(torch_cudnn)
-    export SDFARM_CUDNN
+    ensure_cudnn
     stage 110 decode-cudnn bench/decode_options.py --cli "$CLI" --model "$MODEL" \
         --taesd-model "$TAESD" --sizes 512,1024 --batch 4 --case-timeout 40 \
         --out "$OUT/cuda/cuda-decode-options-cudnn.json"
