@@ -1,7 +1,7 @@
 // sdfarm: ggml's CUDA direct convolution (GGML_OP_CONV_2D) through cuDNN, loaded at run time
 // (applied by sdfarm.native.sourcepatch). Off unless SDFARM_CUDNN names a libcudnn.so.9
 // (sdfarm.native.cudnn). On the H200 with the cuDNN 9.19 of PyTorch 2.11 (cu130) it made a
-// 1024x1024 image 15-30% faster than im2col and its peak 7.8 GiB against 10, with pixels
+// 1024x1024 image 13-29% faster than im2col and its peak 7.8 GiB against 10, with pixels
 // within 3/255 of im2col's (PSNR 53 dB): docs/gpu.md, "Convolutions through cuDNN". (Its
 // first runs crashed inside cuDNN: the runtime exported a static libstdc++, fixed by the
 // build's link flag, sdfarm.native.build.PRIVATE_STDCXX.)
