@@ -1056,7 +1056,9 @@ cudnnwhy() {
     [ -e /tmp/maps-engine.txt ] && exporters /tmp/maps-engine.txt
     models_wait
     local v works=""
-    for v in "SDFARM_CUDNN_TRACE=1" "SDFARM_CUDNN_STDCXX=1" "LD_PRELOAD=$stdcxx" \
+    # (log-cudnnwhy.txt also tried SDFARM_CUDNN_STDCXX=1, a patch switch that made libstdc++
+    # global before cuDNN opened: it crashed the same, and the switch is gone.)
+    for v in "SDFARM_CUDNN_TRACE=1" "LD_PRELOAD=$stdcxx" \
             "SDFARM_GROUPNORM_SPLIT=0 SDFARM_IM2COL_TILED=0"; do
         say "== one traced image with cuDNN: $v"
         # shellcheck disable=SC2086
