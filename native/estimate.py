@@ -291,7 +291,7 @@ def context_bytes(device: Device) -> int:
     CUDNN_WORKSPACE_FIXED_BYTES more where the operator named a cuDNN; 0 elsewhere."""
     if not device.name.upper().startswith("CUDA"):
         return 0
-    return CUDA_CONTEXT_BYTES + (CUDNN_WORKSPACE_FIXED_BYTES if cudnn.library() else 0)
+    return CUDA_CONTEXT_BYTES + (CUDNN_WORKSPACE_FIXED_BYTES if cudnn.library() is not None else 0)
 
 
 def use_conv_direct(device: str) -> bool:
