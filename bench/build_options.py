@@ -50,7 +50,9 @@ def process_gpu_mib() -> int | None:
     return None
 
 
-def child(model: str, device: str, sizes: list[int], images: int, save: str) -> None:
+def child(
+    model: str, device: str, sizes: list[int], images: int, save: str, steps: int = 1
+) -> None:
     import hashlib
 
     from sdfarm.native.engine import Engine, LogConfig
@@ -59,7 +61,7 @@ def child(model: str, device: str, sizes: list[int], images: int, save: str) -> 
     engine = Engine.load(Path(model), log=LogConfig(level="warn"), device=device)
     for size in sizes:
         params = GenerationParams(prompt="a build options bench", width=size, height=size,
-                                  steps=1, seed=42)  # fmt: skip
+                                  steps=steps, seed=42)  # fmt: skip
         engine.generate(params)  # untimed: first use of this size
         times, digest = [], ""
         for _ in range(images):
@@ -108,6 +110,7 @@ def main() -> int:
     ap.add_argument("--device", default="CUDA0")
     ap.add_argument("--sizes", default="512,1024")
     ap.add_argument("--images", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=1, help="sampling steps of every image")
     ap.add_argument("--variant", action="append", type=parse_variant, default=[])
     ap.add_argument("--deadline", type=float, default=None, help="no new variant after (s)")
     ap.add_argument("--out")
@@ -116,7 +119,7 @@ def main() -> int:
     args = ap.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
     if args.child:
-        child(args.model, args.device, sizes, args.images, args.save)
+        child(args.model, args.device, sizes, args.images, args.save, args.steps)
         return 0
     t0 = time.monotonic()
     keep = Path(tempfile.mkdtemp(prefix="build-options-"))
@@ -128,7 +131,7 @@ def main() -> int:
         child_env = {**os.environ, "SDFARM_RUNTIME_DIR": directory, **env}
         cmd = [sys.executable, __file__, "--child", "--model", args.model, "--device",
                args.device, "--sizes", args.sizes, "--images", str(args.images),
-               "--save", str(keep / label)]  # fmt: skip
+               "--steps", str(args.steps), "--save", str(keep / label)]  # fmt: skip
         done = subprocess.run(cmd, capture_output=True, text=True, env=child_env)
         found = [json.loads(line[len(MARK) :]) for line in done.stdout.splitlines()
                  if line.startswith(MARK)]  # fmt: skip
@@ -154,7 +157,8 @@ def main() -> int:
                 print(f"{r['variant']:14} {r['size']:>5}  against {first}: {r['against_first']}")
     shutil.rmtree(keep, ignore_errors=True)
     doc = {"what": __doc__.splitlines()[0], "model": Path(args.model).name,
-           "device": args.device, "images": args.images, "rows": rows}  # fmt: skip
+           "device": args.device, "images": args.images, "steps": args.steps,
+           "rows": rows}  # fmt: skip
     if args.out:
         Path(args.out).write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
     return 0

@@ -63,6 +63,16 @@
 #   bash bench/gpu_run.sh cudnndecode # the same carried: the decode table, direct = cuDNN
 #   bash bench/gpu_run.sh peer512c  # the peer at 512: eager batch 1, compiled batch 4
 #   bash bench/gpu_run.sh cudnnalone # cuDNN alone (bench/cudnn_check.cpp), no build needed
+#   bash bench/gpu_run.sh sdpa      # build here (with attention through cuDNN where the carried
+#                                   # frontend wheel gives its headers); SDPA on/off side by side;
+#                                   # the farm under MPS (N=4) at the peer's cases; eager b1
+#   bash bench/gpu_run.sh sdpapeer  # sdpa's build carried: 1024 x 4 steps with and without
+#                                   # cuDNN's attention; the farm at 1024 (N=4, 8); eager b1 and
+#                                   # compiled b4 at 1024 with what is left
+#   bash bench/gpu_run.sh sdpatable # sdpa's build carried: the farm (N=8, MPS) at the four cases,
+#                                   # eager b1, compiled b4 at 512 with what is left
+#   bash bench/gpu_run.sh fattn     # ggml's flash attention alone at the UNet's shapes, per
+#                                   # configuration of its head-size-64 kernel; torch's SDPA
 #
 # Carried: .whl/*.whl (our dependencies and pytest for python3.12), .carry/{redis-server,
 # stable_diffusion_cpp_python-0.4.7.tar.gz}; for the Vulkan stages also .gl/*.deb (Vulkan
@@ -136,7 +146,8 @@ cuda_built() {
     [ -s "$CUDA_JSON" ] && $PY -c "
 import json, os, sys
 d = json.load(open('$CUDA_JSON'))
-sys.exit(0 if os.path.exists(d['library']) and d.get('cli') and os.path.exists(d['cli']) else 1)"
+cli = d.get('cli')  # a carried runtime may leave sd-cli out (the carry's 64 MiB)
+sys.exit(0 if os.path.exists(d['library']) and (d.get('carried') or cli and os.path.exists(cli)) else 1)"
 }
 
 cuda_field() { $PY -c "import json; print(json.load(open('$CUDA_JSON'))['$1'])"; }
@@ -1019,6 +1030,132 @@ cudnnalone() {
     done
 }
 
+# sdpa: a build with attention through cuDNN (native/patches/fattn_cudnn.cuh; the headers come
+# from the carried nvidia-cudnn-frontend wheel, PyTorch's cuDNN wheel and the toolkit), one
+# traced image, cuDNN's attention against ggml's in the same build (ms, pixels), then the farm
+# with it under MPS at the peer table's cases, and the peer's eager batch 1 of this lease.
+sdpa() {
+    PACK_LATER=1 ensure
+    mkdir -p "$OUT/cuda"
+    local lib; lib=$(torch_cudnn)
+    say "attention through cuDNN compiled in (build.log lines): $(grep -c 'SDFARM_CUDNN_SDPA=1' "$CUDA_DIR/build.log")"
+    grep -o 'CMAKE_CUDA_FLAGS=[^$]*' "$CUDA_DIR/build.log" | head -1 | cut -c1-400
+    say "== one image through cuDNN ($lib)"
+    SDFARM_CUDNN="$lib" SDFARM_RUNTIME_DIR="$CUDA_DIR" timeout 90 \
+        $PY bench/build_options.py --child --model "$MODEL" --device CUDA0 --sizes 512 --images 1 \
+        --save /tmp/sdpa > /tmp/sdpa.txt 2>&1
+    say "== exit $?"
+    grep -i "sdfarm:\|@@build\|signal\|refused\|error" /tmp/sdpa.txt | head -20
+    options sdpa 150 --variant "sdpa=$CUDA_DIR:SDFARM_CUDNN=$lib" \
+        --variant "ggml-attn=$CUDA_DIR:SDFARM_CUDNN=$lib,SDFARM_CUDNN_SDPA=0" \
+        --variant "sdpa-again=$CUDA_DIR:SDFARM_CUDNN=$lib" \
+        --variant "ggml-attn-again=$CUDA_DIR:SDFARM_CUDNN=$lib,SDFARM_CUDNN_SDPA=0"
+    pack_wait
+    export SDFARM_CUDNN="$lib"
+    if mps_start; then
+        farm_cases sdpa-mps 4 2 70
+        mps_stop
+    fi
+    peer_eager sdpa-farm-lease 1,4
+}
+
+sdpapeer() {
+    ensure_cudnn
+    local lib=$SDFARM_CUDNN
+    options sdpa4 100 --sizes 1024 --steps 4 --variant "sdpa=$CUDA_DIR:SDFARM_CUDNN=$lib" \
+        --variant "ggml-attn=$CUDA_DIR:SDFARM_CUDNN=$lib,SDFARM_CUDNN_SDPA=0" \
+        --variant "sdpa-again=$CUDA_DIR:SDFARM_CUDNN=$lib" \
+        --variant "ggml-attn-again=$CUDA_DIR:SDFARM_CUDNN=$lib,SDFARM_CUDNN_SDPA=0"
+    if mps_start; then
+        farm_cases sdpa-mps-b 4 2 70 "1024:4:12 1024:1:16"
+        farm_cases sdpa-mps-n8 8 2 80 "1024:4:12 1024:1:16"
+        mps_stop
+    fi
+    peer_eager sdpa-lease 1,4
+    local left=$(( PHASE_BUDGET - $(now) - 5 ))
+    if [ "$left" -ge 200 ]; then
+        timeout "$left" $PY bench/peer_diffusers.py --sizes 1024 --steps 1,4 --batches 1 --compile \
+            --compile-batches 4 --runs 5 --deadline $(( left - 10 )) \
+            --out "$OUT/cuda/cuda-peer-diffusers-compiled-1024.json"
+    else
+        say "SKIPPED: compiled batch 4 at 1024 (${left}s left)"
+    fi
+}
+
+sdpatable() {
+    ensure_cudnn
+    if mps_start; then
+        farm_cases sdpa-mps-n8all 8 2 70
+        mps_stop
+    fi
+    peer_eager sdpa-table-lease 1,4
+    local left=$(( PHASE_BUDGET - $(now) - 5 ))
+    if [ "$left" -ge 150 ]; then
+        timeout "$left" $PY bench/peer_diffusers.py --sizes 512 --steps 1,4 --batches 1 --compile \
+            --compile-batches 4 --runs 5 --deadline $(( left - 10 )) \
+            --out "$OUT/cuda/cuda-peer-diffusers-compiled-512-sdpa-lease.json"
+    else
+        say "SKIPPED: compiled batch 4 at 512 (${left}s left)"
+    fi
+}
+
+# fattn: ggml's flash-attention op alone at the SD UNet's shapes (bench/fattn_bench.cpp),
+# ggml's configuration and FA_VARIANTS of its head-size-64 row (bench/fattn_variants.py),
+# alternating, each output compared with ggml's own; then PyTorch's SDPA at the same shapes.
+# Needs the carried sdist (its vendored ggml); builds ggml alone (about 3 minutes).
+FA_VARIANTS=${FA_VARIANTS:-"b128=128,2,128,2 w256=256,1,128,2 w256o2=256,2,64,2 o3=128,3,64,2 w256b64=256,1,64,2"}
+fattn() {
+    prep
+    local base=/tmp/fa b=/tmp/fa/build g lib log="$OUT/fattn.jsonl"
+    g=$(ls -d $base/stable_diffusion_cpp_python-*/vendor/stable-diffusion.cpp/ggml 2>/dev/null)
+    if [ -z "$g" ] || ! ls "$b"/bin/libggml-cuda.so* >/dev/null 2>&1; then
+        rm -rf "$base" && mkdir -p "$base"
+        tar xzf .carry/stable_diffusion_cpp_python-0.4.7.tar.gz -C "$base" || return
+        g=$(ls -d $base/stable_diffusion_cpp_python-*/vendor/stable-diffusion.cpp/ggml)
+        $PY bench/fattn_variants.py patch "$g" || return
+        say "building ggml (CUDA, sm_90) alone"
+        cmake -S "$g" -B "$b" -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 \
+            -DCMAKE_BUILD_TYPE=Release -DGGML_BUILD_TESTS=OFF -DGGML_BUILD_EXAMPLES=OFF \
+            -DCMAKE_EXPORT_COMPILE_COMMANDS=ON -DCMAKE_SKIP_BUILD_RPATH=ON -DCMAKE_RUNTIME_OUTPUT_DIRECTORY="$b/bin" \
+            -DCMAKE_LIBRARY_OUTPUT_DIRECTORY="$b/bin" > "$base/cmake.log" 2>&1 || { tail -30 "$base/cmake.log"; return; }
+        cmake --build "$b" -j"$(nproc)" --target ggml > "$base/build.log" 2>&1 || { tail -40 "$base/build.log"; return; }
+        say "built"
+    fi
+    lib="$b/bin"
+    g++ -O2 -std=c++17 bench/fattn_bench.cpp -I"$g/include" -L"$lib" -lggml -lggml-base -lggml-cuda \
+        -o "$base/fattn_bench" || return
+    say "variants: $FA_VARIANTS"
+    # shellcheck disable=SC2086
+    $PY bench/fattn_variants.py build "$b" $FA_VARIANTS
+    say "built the variants"
+    local order=(base) v dir
+    for v in $FA_VARIANTS; do order+=("${v%%=*}"); done
+    order+=(base2)
+    for v in "${order[@]}"; do
+        dir="$lib"
+        [ -d "$b/fa-variants/$v" ] && dir="$b/fa-variants/$v:$lib"
+        say "== $v"
+        LD_LIBRARY_PATH="$dir" timeout 120 "$base/fattn_bench" 50 "$base/$v.bin" |
+            sed "s/^{/{\"variant\": \"$v\", /" | tee -a "$log" | grep -E '16384|per UNet'
+    done
+    $PY - "$base" "${order[@]}" <<'PYEOF' | tee -a "$log"
+import array, json, sys
+base = sys.argv[1]
+ref = array.array("f"); ref.frombytes(open(f"{base}/base.bin", "rb").read())
+for v in sys.argv[2:]:
+    try:
+        got = array.array("f"); got.frombytes(open(f"{base}/{v}.bin", "rb").read())
+    except OSError:
+        continue
+    diff = max(abs(a - b) for a, b in zip(ref, got)) if len(got) == len(ref) else None
+    print(json.dumps({"variant": v, "compare": "self 16384 x 5 heads against ggml's",
+                      "values": len(got), "max_abs_diff": diff}))
+PYEOF
+    say "== torch SDPA"
+    timeout 120 $PY bench/fattn_torch.py 50 | sed 's/^{/{"variant": "torch", /' | tee -a "$log" |
+        grep -E '16384|per UNet'
+}
+
 # exporters FILE: the libraries FILE lists (one a line) that define any of libstdc++'s
 # locale/ostream symbols besides libstdc++ itself: what could answer cuDNN's calls instead.
 exporters() {
@@ -1215,7 +1352,7 @@ peertwo() {
 case "$PHASE" in
     setup | bench1 | bench2) ;;
     cuda_recheck | cudafarm | overhead | speedbatch | gputests | cpu1024 | twogpu) ;;
-    features | tiling | peer | tilingpeer | decodefarm | lanes | extras | cudaopts | cudamore | vulkan | vkcheck | peerone | peertwo | peerthree | effprefetch | nextlease | chainlease | i2vmps | lookahead | profile | lookprofile | im2col2 | im2col4 | gnorm | gnormpeer | im2colvec | vecmore | effahead | cublas32 | effbacklog | cudnndebug | cudnnall | cudnnalone | cudnnwhy | cudnnfix | cudnnfarm | cudnnn8 | cudnndecode | peer512c) ;;
+    features | tiling | peer | tilingpeer | decodefarm | lanes | extras | cudaopts | cudamore | vulkan | vkcheck | peerone | peertwo | peerthree | effprefetch | nextlease | chainlease | i2vmps | lookahead | profile | lookprofile | im2col2 | im2col4 | gnorm | gnormpeer | im2colvec | vecmore | effahead | cublas32 | effbacklog | cudnndebug | cudnnall | cudnnalone | cudnnwhy | cudnnfix | cudnnfarm | cudnnn8 | cudnndecode | peer512c | fattn | sdpa | sdpapeer | sdpatable) ;;
     *) echo "usage: bash bench/gpu_run.sh setup|bench1|bench2|cuda_recheck|cudafarm|overhead|speedbatch|gputests|cpu1024|twogpu|features|tiling|peer|tilingpeer|decodefarm|lanes|extras|cudaopts|cudamore|vulkan|vkcheck|peerone|peertwo|peerthree|effprefetch|nextlease|chainlease|i2vmps|lookahead|profile" >&2; exit 2 ;;
 esac
 set -o pipefail
