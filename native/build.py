@@ -201,6 +201,21 @@ def _cmake_flags(backend: str, native: bool, cli: bool, extra: list[str]) -> lis
     ]
 
 
+def cudnn_sdpa_flags() -> list[str]:
+    """Compile attention through cuDNN into a CUDA build where its headers are installed
+    (sdfarm.native.cudnn.sdpa_include_dirs; the toolkit's include folder is nvcc's); none
+    otherwise. The folders enter the cache key with the other flags."""
+    from sdfarm.native.cudnn import sdpa_include_dirs
+
+    nvcc = shutil.which("nvcc")
+    toolkit = Path(nvcc).resolve().parent.parent / "include" if nvcc else None
+    dirs = sdpa_include_dirs(toolkit_include=toolkit)
+    if not dirs:
+        return []
+    includes = " ".join(f"-I{d}" for d in dirs)
+    return [f"-DCMAKE_CUDA_FLAGS=-DSDFARM_CUDNN_SDPA=1 {includes}"]
+
+
 def _linker_flags() -> list[str]:
     """PRIVATE_STDCXX where the linker is GNU ld's kind (Linux); none elsewhere."""
     linux = sys.platform.startswith("linux")
@@ -288,6 +303,8 @@ def ensure_runtime(
         else:
             src, source_id = None, SOURCES["sha256"]
         flags = _cmake_flags(backend, native, cli, list(cmake_args or []))
+        if backend == "cuda" and patches:
+            flags += cudnn_sdpa_flags()
         compiler = compiler_id()
         applied = sourcepatch.for_backend(backend) if patches else []
         pid = sourcepatch.patch_id(applied)

@@ -77,3 +77,35 @@ def export(env: MutableMapping[str, str] | None = None) -> Path | None:
     lib = library(env)
     env[ENV] = str(lib) if lib is not None else "0"
     return lib
+
+
+# What the CUDA build needs to compile attention through cuDNN (native/patches/fattn_cudnn.cuh):
+# cuDNN's headers (the cuDNN wheel: nvidia/cudnn/include), its C++ frontend's (the
+# nvidia-cudnn-frontend wheel installs include/cudnn_frontend.h), and NVRTC's header, which
+# the frontend includes (the CUDA toolkit's, or the nvrtc wheel's). `pip install
+# 'sdfarm[cudnn]'` brings all three; without them the build leaves attention to ggml.
+SDPA_HEADERS = (
+    ("cudnn_frontend.h", ("include",)),
+    ("cudnn.h", ("nvidia/cudnn/include",)),
+    ("nvrtc.h", ("nvidia/cu13/include", "nvidia/cuda_nvrtc/include", "nvidia/cu12/include")),
+)
+
+
+def sdpa_include_dirs(
+    paths: Iterable[str] | None = None,
+    toolkit_include: Path | None = None,
+    is_file: Callable[[Path], bool] = Path.is_file,
+) -> list[Path] | None:
+    """The folders holding SDPA_HEADERS, one per header, searched in `paths` (default
+    sys.path) and, first, the CUDA toolkit's `toolkit_include`; None when one is missing."""
+    folders = [p for p in (sys.path if paths is None else paths) if p]
+    found: list[Path] = []
+    for header, subdirs in SDPA_HEADERS:
+        candidates = [toolkit_include] if toolkit_include is not None else []
+        candidates += [Path(p) / sub for p in folders for sub in subdirs]
+        hit = next((d for d in candidates if is_file(d / header)), None)
+        if hit is None:
+            return None
+        if hit not in found:
+            found.append(hit)
+    return found

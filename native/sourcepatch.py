@@ -6,7 +6,7 @@ exactly once fails the build by name, so a different source can never be half-pa
 build's cache key includes the patches that apply, so a changed patch is a new build, and a
 backend no patch touches keeps its key.
 
-Three patches, all CUDA only:
+Four patches, all CUDA only:
 - a tiled im2col (`patches/im2col_tiled.cuh`): the same values at the same places, read along
   the input rows. On an H200 ggml's kernel was 186 of the 274 ms of a 1024x1024 VAE decode; with
   the tiled one a 1024x1024 image takes 281-284 ms instead of 438-443, the same pixels
@@ -25,6 +25,11 @@ Three patches, all CUDA only:
   `SDFARM_CUDNN` names a libcudnn.so.9: ggml's direct convolution node run by cuDNN's implicit
   GEMM, with its bias add. On the H200 the runtime's process crashed inside cuDNN's
   heuristics, where a bare process ran the same calls (docs/gpu.md).
+- attention through cuDNN (`patches/fattn_cudnn.cuh`), inert unless `SDFARM_CUDNN` names a
+  library and the build found cuDNN's and its frontend's headers
+  (`build.cudnn_sdpa_flags`): ggml's unmasked flash-attention node run by cuDNN's fused
+  SDPA, where ggml's kernel took 2.66 ms for the UNet's 16,384-token self-attention on an
+  H200 and PyTorch's SDPA 0.78 ms. `SDFARM_CUDNN_SDPA=0` keeps ggml's kernel.
 """
 
 from __future__ import annotations
@@ -65,6 +70,7 @@ NORM_H = "ggml/src/ggml-cuda/norm.cuh"
 GRAPH = "ggml/src/ggml-cuda/ggml-cuda.cu"
 CONV = "ggml/src/ggml-cuda/conv2d.cu"
 CONV_H = "ggml/src/ggml-cuda/conv2d.cuh"
+FATTN = "ggml/src/ggml-cuda/fattn.cu"
 
 
 def after(path: str, anchor: str, text: str) -> Edit:
@@ -170,6 +176,21 @@ PATCHES: tuple[Patch, ...] = (
                 "ggml_backend_cuda_context & ctx, ggml_cgraph * cgraph, int i);\n",
             ),
             before(GRAPH, "                    ggml_cuda_topk_moe_args args;\n", CONV_FUSION),
+        ),
+    ),
+    Patch(
+        name="ggml-cuda-fattn-cudnn",
+        backends=frozenset({"cuda"}),
+        adds={"ggml/src/ggml-cuda/fattn_cudnn.cuh": "fattn_cudnn.cuh"},
+        edits=(
+            after(FATTN, '#include "fattn.cuh"\n', '#include "fattn_cudnn.cuh"\n'),
+            after(
+                FATTN,
+                "void ggml_cuda_flash_attn_ext("
+                "ggml_backend_cuda_context & ctx, ggml_tensor * dst) {\n"
+                "    ggml_cuda_set_device(ctx.device);\n",
+                "    if (sdfarm_cudnn_fattn(ctx, dst)) {\n        return;\n    }\n",
+            ),
         ),
     ),
 )

@@ -1,0 +1,246 @@
+// sdfarm: ggml's CUDA flash attention (GGML_OP_FLASH_ATTN_EXT) through cuDNN's fused
+// scaled-dot-product attention, loaded at run time (applied by sdfarm.native.sourcepatch).
+// Compiled in only where the build found cuDNN's and its frontend's headers
+// (SDFARM_CUDNN_SDPA: sdfarm.native.build.cudnn_sdpa_flags), and off unless SDFARM_CUDNN
+// names a libcudnn.so.9, like the convolutions of conv2d_cudnn.cuh; SDFARM_CUDNN_SDPA=0 in a
+// process's environment keeps ggml's kernel with cuDNN's convolutions.
+//
+// Why: the SD UNet's self-attention at its first level is 16,384 queries against 16,384 keys
+// of head size 64 at 1024x1024. ggml's MMA kernel (tuned for language models: 16 query rows
+// a warp, 2 blocks of 4 warps an SM) ran it at 129 TFLOP/s on an H200, 2.66 ms a call, where
+// PyTorch's SDPA took 0.78 ms (441 TFLOP/s; bench/fattn_bench.cpp against bench/fattn_torch.py,
+// docs/gpu.md): 16.7 against 5.9 ms of attention per UNet call at 1024. cuDNN's flash
+// attention is one of the kernels PyTorch's SDPA dispatches to on Hopper. With it, one engine's
+// 1024x1024 image at 4 steps took 329-355 ms against 373-423 with ggml's kernel on the H200,
+// pixels within 1/255 (PSNR 57.8 dB; bench/results/gpu/cuda-sdpa4-options.json).
+//
+// What runs: Q (f32 in stable-diffusion.cpp's graph) converted to f16, cuDNN's SDPA with f16
+// K and V as ggml lays them out (f32 softmax and accumulation), its f16 output written in
+// ggml's [D, heads, queries] order, then converted to the f32 ggml's node writes. Masked,
+// biased, soft-capped or sink attention, other types and head sizes above 128 stay with ggml
+// (stable-diffusion.cpp's cross-attention pads 77 keys to 256 under a mask: a small share).
+// The output is rounded to f16 once, so pixels move by a rounding, as with the convolutions.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+#if defined(__CUDACC__) || defined(SDFARM_HOST_GRAPH)
+// What decides whether an attention goes to cuDNN, kept outside the CUDA-only part so that
+// tests can ask it on the host, of nodes the pinned ggml builds.
+struct sdfarm_sdpa_shape {
+    int64_t d, q_len, kv_len, heads, kv_heads, batch;
+    ggml_type q_type, k_type, v_type, dst_type;
+    bool has_mask, has_sinks, q_contiguous, dst_contiguous, kv_matches;
+    float scale, max_bias, logit_softcap;
+};
+
+static sdfarm_sdpa_shape sdfarm_sdpa_shape_of(const ggml_tensor * dst) {
+    const ggml_tensor * Q = dst->src[0];
+    const ggml_tensor * K = dst->src[1];
+    const ggml_tensor * V = dst->src[2];
+    float params[3];
+    memcpy(params, dst->op_params, sizeof(params));  // scale, max_bias, logit_softcap
+    // K and V: rows of D contiguous values, one length and head count, Q's batch
+    const bool kv = K->nb[0] == ggml_type_size(K->type) && V->nb[0] == ggml_type_size(V->type) &&
+                    K->ne[0] == Q->ne[0] && V->ne[0] == Q->ne[0] && V->ne[1] == K->ne[1] && V->ne[2] == K->ne[2] &&
+                    K->ne[3] == Q->ne[3] && V->ne[3] == Q->ne[3];
+    return {Q->ne[0], Q->ne[1], K->ne[1], Q->ne[2], K->ne[2], Q->ne[3],
+            Q->type, K->type, V->type, dst->type,
+            dst->src[3] != nullptr, dst->src[4] != nullptr, ggml_is_contiguous(Q), ggml_is_contiguous(dst), kv,
+            params[0], params[1], params[2]};
+}
+
+// cuDNN takes it: unmasked, unbiased, no soft cap or sinks; f16 K and V (stable-diffusion.cpp
+// casts them), f32 or f16 Q, f32 out; head size a multiple of 8 up to 128; as many K heads as
+// Q heads.
+static bool sdfarm_sdpa_eligible(const sdfarm_sdpa_shape & s) {
+    return !s.has_mask && !s.has_sinks && s.max_bias == 0.0f && s.logit_softcap == 0.0f &&
+           (s.q_type == GGML_TYPE_F32 || s.q_type == GGML_TYPE_F16) && s.k_type == GGML_TYPE_F16 &&
+           s.v_type == GGML_TYPE_F16 && s.dst_type == GGML_TYPE_F32 && s.q_contiguous && s.dst_contiguous &&
+           s.kv_matches && s.d % 8 == 0 && s.d >= 8 && s.d <= 128 && s.kv_heads == s.heads && s.q_len >= 1 &&
+           s.kv_len >= 1 && s.batch >= 1;
+}
+#endif
+
+#if defined(__CUDACC__) && defined(SDFARM_CUDNN_SDPA)
+#define NV_CUDNN_FRONTEND_USE_DYNAMIC_LOADING
+#include <cudnn_frontend.h>
+#include <dlfcn.h>
+
+#include <map>
+#include <memory>
+#include <mutex>
+#include <tuple>
+#include <unordered_map>
+
+namespace cudnn_frontend {
+void * cudnn_dlhandle = nullptr;  // the frontend's calls go to the library SDFARM_CUDNN names
+}
+
+namespace sdfarm_fe = cudnn_frontend;
+
+// The library SDFARM_CUDNN names, opened once for the frontend; false when off or absent.
+static bool sdfarm_sdpa_on() {
+    static const bool on = [] {
+        const char * lib = getenv("SDFARM_CUDNN");
+        const char * sw  = getenv("SDFARM_CUDNN_SDPA");
+        if (lib == nullptr || lib[0] == '\0' || strcmp(lib, "0") == 0 || (sw != nullptr && sw[0] == '0')) {
+            return false;
+        }
+        void * h = dlopen(lib, RTLD_NOW | RTLD_LOCAL);
+        if (h == nullptr) {
+            GGML_LOG_WARN("sdfarm: cuDNN (%s) did not load for attention (%s): ggml's kernel runs\n", lib, dlerror());
+            return false;
+        }
+        sdfarm_fe::cudnn_dlhandle = h;
+        GGML_LOG_INFO("sdfarm: attention through cuDNN (%s)\n", lib);
+        return true;
+    }();
+    return on;
+}
+
+static void sdfarm_sdpa_fail(const std::string & what) {
+    static bool said = false;
+    if (!said) {
+        said = true;
+        GGML_LOG_WARN("sdfarm: cuDNN refused an attention (%s): ggml's kernel runs it\n", what.c_str());
+    }
+}
+
+enum : int64_t { SDFARM_SDPA_Q = 1, SDFARM_SDPA_K, SDFARM_SDPA_V, SDFARM_SDPA_O };
+
+struct sdfarm_sdpa_plan {
+    std::shared_ptr<sdfarm_fe::graph::Graph> graph;  // nullptr: cuDNN refused this shape
+    int64_t workspace = 0;
+};
+
+// (device, B, H, Sq, Skv, D, K's and V's element strides of batch, head and row, the scale)
+typedef std::tuple<int, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
+                   int64_t, uint32_t>
+    sdfarm_sdpa_key;
+
+static cudnnHandle_t sdfarm_sdpa_handle(int device) {
+    static std::mutex mu;
+    static cudnnHandle_t handles[GGML_CUDA_MAX_DEVICES] = {};
+    std::lock_guard<std::mutex> lock(mu);
+    if (handles[device] == nullptr) {
+        try {
+            if (sdfarm_fe::detail::create_handle(&handles[device]) != CUDNN_STATUS_SUCCESS) {
+                handles[device] = nullptr;
+                sdfarm_sdpa_fail("cudnnCreate");
+            }
+        } catch (const std::exception & e) {
+            handles[device] = nullptr;
+            sdfarm_sdpa_fail(e.what());
+        }
+    }
+    return handles[device];
+}
+
+// The built graph of a shape, made once per shape and device (nullptr graph if refused).
+static const sdfarm_sdpa_plan & sdfarm_sdpa_plan_for(cudnnHandle_t h, const sdfarm_sdpa_key & key, float scale) {
+    static std::mutex mu;
+    static std::map<sdfarm_sdpa_key, sdfarm_sdpa_plan> plans;
+    std::lock_guard<std::mutex> lock(mu);
+    auto it = plans.find(key);
+    if (it != plans.end()) {
+        return it->second;
+    }
+    const auto [device, B, H, Sq, Skv, D, kb, kh, ks, vb, vh, vs, scale_bits] = key;
+    (void) device;
+    (void) scale_bits;
+    sdfarm_sdpa_plan plan;
+    try {
+        auto g = std::make_shared<sdfarm_fe::graph::Graph>();
+        g->set_io_data_type(sdfarm_fe::DataType_t::HALF)
+            .set_intermediate_data_type(sdfarm_fe::DataType_t::FLOAT)
+            .set_compute_data_type(sdfarm_fe::DataType_t::FLOAT);
+        using T = sdfarm_fe::graph::Tensor_attributes;
+        // Q: our contiguous f16 copy in ggml's [D, Sq, H, B] order
+        auto q = g->tensor(T().set_name("Q").set_uid(SDFARM_SDPA_Q).set_dim({B, H, Sq, D}).set_stride(
+            {H * Sq * D, Sq * D, D, 1}));
+        auto k = g->tensor(T().set_name("K").set_uid(SDFARM_SDPA_K).set_dim({B, H, Skv, D}).set_stride({kb, kh, ks, 1}));
+        auto v = g->tensor(T().set_name("V").set_uid(SDFARM_SDPA_V).set_dim({B, H, Skv, D}).set_stride({vb, vh, vs, 1}));
+        auto opts = sdfarm_fe::graph::SDPA_attributes().set_name("sdfarm_sdpa").set_generate_stats(false).set_attn_scale(
+            scale);
+        auto [o, stats] = g->sdpa(q, k, v, opts);
+        (void) stats;
+        // O in ggml's FLASH_ATTN_EXT output order, [D, H, Sq, B]
+        o->set_output(true).set_uid(SDFARM_SDPA_O).set_dim({B, H, Sq, D}).set_stride({Sq * H * D, D, H * D, 1});
+        auto st = g->build(h, {sdfarm_fe::HeurMode_t::A});
+        if (!st.is_good()) {
+            sdfarm_sdpa_fail(st.get_message());
+        } else if (!(st = g->get_workspace_size(plan.workspace)).is_good()) {
+            sdfarm_sdpa_fail(st.get_message());
+        } else {
+            plan.graph = g;
+        }
+    } catch (const std::exception & e) {
+        sdfarm_sdpa_fail(e.what());
+    }
+    return plans.emplace(key, plan).first->second;
+}
+
+// dst (a FLASH_ATTN_EXT node) through cuDNN. False where cuDNN is off, the node is not one it
+// takes or it refused (at most Q's f16 copy was launched, into a buffer of our own); then
+// ggml's kernel runs it.
+static bool sdfarm_cudnn_fattn(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
+    const ggml_tensor * Q = dst->src[0];
+    const ggml_tensor * K = dst->src[1];
+    const ggml_tensor * V = dst->src[2];
+    const sdfarm_sdpa_shape s = sdfarm_sdpa_shape_of(dst);
+    if (!sdfarm_sdpa_eligible(s) || !sdfarm_sdpa_on()) {
+        return false;
+    }
+    cudnnHandle_t h = sdfarm_sdpa_handle(ctx.device);
+    if (h == nullptr) {
+        return false;
+    }
+    uint32_t scale_bits;
+    memcpy(&scale_bits, &s.scale, sizeof(scale_bits));
+    const int64_t es = 2;  // f16
+    const sdfarm_sdpa_key key{ctx.device, s.batch, s.heads, s.q_len, s.kv_len, s.d,
+                              (int64_t) K->nb[3] / es, (int64_t) K->nb[2] / es, (int64_t) K->nb[1] / es,
+                              (int64_t) V->nb[3] / es, (int64_t) V->nb[2] / es, (int64_t) V->nb[1] / es, scale_bits};
+    const sdfarm_sdpa_plan & plan = sdfarm_sdpa_plan_for(h, key, s.scale);
+    if (plan.graph == nullptr) {
+        return false;
+    }
+    cudaStream_t stream = ctx.stream();
+    ggml_cuda_pool & pool = ctx.pool();
+    const int64_t n = ggml_nelements(Q);
+    ggml_cuda_pool_alloc<half> q16(pool);
+    const void * q = Q->data;
+    if (Q->type == GGML_TYPE_F32) {
+        q16.alloc(n);
+        ggml_get_to_fp16_cuda(GGML_TYPE_F32)(Q->data, q16.get(), n, stream);
+        q = q16.get();
+    }
+    ggml_cuda_pool_alloc<half> o16(pool, ggml_nelements(dst));
+    ggml_cuda_pool_alloc<char> ws(pool, plan.workspace > 0 ? plan.workspace : 1);
+    std::unordered_map<int64_t, void *> pack = {
+        {SDFARM_SDPA_Q, const_cast<void *>(q)}, {SDFARM_SDPA_K, K->data}, {SDFARM_SDPA_V, V->data},
+        {SDFARM_SDPA_O, o16.get()}};
+    try {
+        if (sdfarm_fe::detail::set_stream(h, stream) != CUDNN_STATUS_SUCCESS) {
+            sdfarm_sdpa_fail("cudnnSetStream");
+            return false;
+        }
+        auto st = plan.graph->execute(h, pack, ws.get());
+        if (!st.is_good()) {
+            sdfarm_sdpa_fail(st.get_message());
+            return false;
+        }
+    } catch (const std::exception & e) {
+        sdfarm_sdpa_fail(e.what());
+        return false;
+    }
+    ggml_get_to_fp32_cuda(GGML_TYPE_F16)(o16.get(), (float *) dst->data, ggml_nelements(dst), stream);
+    return true;
+}
+#elif defined(__CUDACC__)
+static bool sdfarm_cudnn_fattn(ggml_backend_cuda_context &, ggml_tensor *) {
+    return false;  // built without cuDNN's headers
+}
+#endif
