@@ -46,12 +46,16 @@ bench/results/gpu/cuda-engines-per-gpu-512.json): N=1 8.52 img/s, N=2 9.58 (+12%
 (+3% more, for twice the engines' memory), N=8 9.88. Two engines take most of the gain; past
 that each engine costs its full estimate (6.04 GiB accounted each there) for almost nothing."""
 
-MPS_ENGINES = 4
+MPS_ENGINES = 8
 """`--engines auto` on a CUDA GPU served by MPS (sdfarm.native.mps), from the farm on the H200
-under MPS (bench/farm_engines.py, `bash bench/gpu_run.sh peertwo|peerthree`, SD-Turbo
-architecture): 512x512 1 step N=1/2/4/8 7.20/10.92/12.37/12.71 images/s, 1024 1 step
-2.15/2.85/3.05/3.09, 512 4 steps 4.21/6.18/8.08/8.44. Four engines take 94-97% of what eight
-make, for half the memory."""
+under MPS (bench/farm_engines.py, SD-Turbo architecture). With the runtime as it first was
+(`bash bench/gpu_run.sh peertwo|peerthree`), 512x512 1 step N=1/2/4/8 made 7.20/10.92/12.37/
+12.71 images/s: four took 94-97% of what eight made. With our CUDA patches and cuDNN's
+convolutions and attention (`sdpapeer`, `sdpatable`: docs/gpu.md's lead table) eight make
+6-25% more than four at every case measured: 37.03 against 29.62 images/s at 512 x 1 step,
+16.20 / 14.81 at 512 x 4, 10.29-10.50 / 9.58 at 1024 x 1, 4.95-4.98 / 4.69 at 1024 x 4, for
+38.8 GiB of engines accounted against 19.4 (of 139). `auto_engines` lowers it where fewer
+fit the device."""
 
 
 def slot_index() -> int:
@@ -76,7 +80,7 @@ def auto_engines(device_type: str, capacity: int, largest_estimate: int, mps: bo
     device's figure (`capacity`): the scheduler counts every engine at its estimate, and an
     engine that cannot fit beside the others would only make jobs wait. With `mps` (a CUDA
     GPU whose processes are MPS clients: kernels of different engines run at once)
-    MPS_ENGINES (4) instead. At least 1."""
+    MPS_ENGINES (8) instead. At least 1."""
     if device_type not in ("gpu", "accel"):
         return 1  # the CPU, and an integrated GPU (its memory and power are the host's)
     n = MPS_ENGINES if mps else GPU_ENGINES
