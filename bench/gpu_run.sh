@@ -1072,14 +1072,18 @@ sdpapeer() {
         mps_stop
     fi
     peer_eager sdpa-lease 1,4
+    peer_compiled 1024 200 compiled-1024
+}
+
+# peer_compiled SIZE SECONDS NAME: the peer's eager batch 1 and compiled batch 4 at SIZE (1 and
+# 4 steps; its compile takes about 100 s) into cuda-peer-diffusers-NAME.json, when at least
+# SECONDS of the phase are left.
+peer_compiled() {
     local left=$(( PHASE_BUDGET - $(now) - 5 ))
-    if [ "$left" -ge 200 ]; then
-        timeout "$left" $PY bench/peer_diffusers.py --sizes 1024 --steps 1,4 --batches 1 --compile \
-            --compile-batches 4 --runs 5 --deadline $(( left - 10 )) \
-            --out "$OUT/cuda/cuda-peer-diffusers-compiled-1024.json"
-    else
-        say "SKIPPED: compiled batch 4 at 1024 (${left}s left)"
-    fi
+    if [ "$left" -lt "$2" ]; then say "SKIPPED: compiled batch 4 at $1 (${left}s left)"; return; fi
+    timeout "$left" $PY bench/peer_diffusers.py --sizes "$1" --steps 1,4 --batches 1 --compile \
+        --compile-batches 4 --runs 5 --deadline $(( left - 10 )) \
+        --out "$OUT/cuda/cuda-peer-diffusers-$3.json"
 }
 
 sdpatable() {
@@ -1089,14 +1093,7 @@ sdpatable() {
         mps_stop
     fi
     peer_eager sdpa-table-lease 1,4
-    local left=$(( PHASE_BUDGET - $(now) - 5 ))
-    if [ "$left" -ge 150 ]; then
-        timeout "$left" $PY bench/peer_diffusers.py --sizes 512 --steps 1,4 --batches 1 --compile \
-            --compile-batches 4 --runs 5 --deadline $(( left - 10 )) \
-            --out "$OUT/cuda/cuda-peer-diffusers-compiled-512-sdpa-lease.json"
-    else
-        say "SKIPPED: compiled batch 4 at 512 (${left}s left)"
-    fi
+    peer_compiled 512 150 compiled-512-sdpa-lease
 }
 
 # fattn: ggml's flash-attention op alone at the SD UNet's shapes (bench/fattn_bench.cpp),
