@@ -316,6 +316,14 @@ def ensure_runtime(
             started = time.monotonic()
             if src is None:
                 src = unpack_sdist(fetch_sdist(root), root)
+            if backend == "cuda" and patches:
+                sdpa = any("SDFARM_CUDNN_SDPA" in f for f in flags)
+                _log(
+                    "attention through cuDNN compiled in (on where SDFARM_CUDNN names cuDNN)"
+                    if sdpa
+                    else "attention stays with ggml: cuDNN's frontend headers were not found "
+                    "(pip install 'sdfarm[cudnn]')"
+                )
             if applied:
                 _log(f"applying {', '.join(p.name for p in applied)}")
                 try:
