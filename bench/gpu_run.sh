@@ -71,6 +71,11 @@
 #                                   # compiled b4 at 1024 with what is left
 #   bash bench/gpu_run.sh sdpatable # sdpa's build carried: the farm (N=8, MPS) at the four cases,
 #                                   # eager b1, compiled b4 at 512 with what is left
+#   bash bench/gpu_run.sh fuse      # build here (the linear and layer-norm fusions); one engine
+#                                   # with and without them at 4 steps; the farm (N=8, MPS) at 4 steps
+#   bash bench/gpu_run.sh fusetable # fuse's build: the farm (N=8, MPS) at the four cases, eager
+#                                   # b1, compiled b4 at 512
+#   bash bench/gpu_run.sh fusepeer  # after fusetable: compiled b4 at 1024, eager b1, the farm again
 #   bash bench/gpu_run.sh fattn     # ggml's flash attention alone at the UNet's shapes, per
 #                                   # configuration of its head-size-64 kernel; torch's SDPA
 #
@@ -1349,7 +1354,7 @@ peertwo() {
 case "$PHASE" in
     setup | bench1 | bench2) ;;
     cuda_recheck | cudafarm | overhead | speedbatch | gputests | cpu1024 | twogpu) ;;
-    features | tiling | peer | tilingpeer | decodefarm | lanes | extras | cudaopts | cudamore | vulkan | vkcheck | peerone | peertwo | peerthree | effprefetch | nextlease | chainlease | i2vmps | lookahead | profile | lookprofile | im2col2 | im2col4 | gnorm | gnormpeer | im2colvec | vecmore | effahead | cublas32 | effbacklog | cudnndebug | cudnnall | cudnnalone | cudnnwhy | cudnnfix | cudnnfarm | cudnnn8 | cudnndecode | peer512c | fattn | sdpa | sdpapeer | sdpatable) ;;
+    features | tiling | peer | tilingpeer | decodefarm | lanes | extras | cudaopts | cudamore | vulkan | vkcheck | peerone | peertwo | peerthree | effprefetch | nextlease | chainlease | i2vmps | lookahead | profile | lookprofile | im2col2 | im2col4 | gnorm | gnormpeer | im2colvec | vecmore | effahead | cublas32 | effbacklog | cudnndebug | cudnnall | cudnnalone | cudnnwhy | cudnnfix | cudnnfarm | cudnnn8 | cudnndecode | peer512c | fattn | sdpa | sdpapeer | sdpatable | fuse | fusetable | fusepeer) ;;
     *) echo "usage: bash bench/gpu_run.sh setup|bench1|bench2|cuda_recheck|cudafarm|overhead|speedbatch|gputests|cpu1024|twogpu|features|tiling|peer|tilingpeer|decodefarm|lanes|extras|cudaopts|cudamore|vulkan|vkcheck|peerone|peertwo|peerthree|effprefetch|nextlease|chainlease|i2vmps|lookahead|profile" >&2; exit 2 ;;
 esac
 set -o pipefail

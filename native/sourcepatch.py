@@ -71,6 +71,11 @@ GRAPH = "ggml/src/ggml-cuda/ggml-cuda.cu"
 CONV = "ggml/src/ggml-cuda/conv2d.cu"
 CONV_H = "ggml/src/ggml-cuda/conv2d.cuh"
 FATTN = "ggml/src/ggml-cuda/fattn.cu"
+# ggml-cuda.cu's cuBLAS helpers, which the linear fusion calls, are defined above this line.
+LINEAR_ANCHOR = (
+    "static void ggml_cuda_mul_mat(ggml_backend_cuda_context & ctx, const ggml_tensor * src0,"
+    " const ggml_tensor * src1, ggml_tensor * dst) {\n"
+)
 
 
 def after(path: str, anchor: str, text: str) -> Edit:
@@ -89,6 +94,31 @@ GN_FUSION = (
     "                    if (node->op == GGML_OP_GROUP_NORM) {\n"
     "                        const int sdfarm_last =\n"
     "                            sdfarm_group_norm_fuse(*cuda_ctx, cgraph, i);\n"
+    "                        if (sdfarm_last > i) {\n"
+    "                            i = sdfarm_last;\n"
+    "                            continue;\n"
+    "                        }\n"
+    "                    }\n"
+)
+
+# A linear layer with its bias add and the GEGLU or residual add after it, likewise
+# (sdfarm_linear_fuse: the last node's index, or -1 where ggml would not take cuBLAS's f16 path).
+LINEAR_FUSION = (
+    "                    if (node->op == GGML_OP_MUL_MAT) {\n"
+    "                        const int sdfarm_last =\n"
+    "                            sdfarm_linear_fuse(*cuda_ctx, cgraph, i);\n"
+    "                        if (sdfarm_last > i) {\n"
+    "                            i = sdfarm_last;\n"
+    "                            continue;\n"
+    "                        }\n"
+    "                    }\n"
+)
+
+# A layer norm with its weight and bias, likewise (sdfarm_layer_norm_fuse: the bias add's index).
+LN_FUSION = (
+    "                    if (node->op == GGML_OP_NORM) {\n"
+    "                        const int sdfarm_last =\n"
+    "                            sdfarm_layer_norm_fuse(*cuda_ctx, cgraph, i);\n"
     "                        if (sdfarm_last > i) {\n"
     "                            i = sdfarm_last;\n"
     "                            continue;\n"
@@ -191,6 +221,36 @@ PATCHES: tuple[Patch, ...] = (
                 "    ggml_cuda_set_device(ctx.device);\n",
                 "    if (sdfarm_cudnn_fattn(ctx, dst)) {\n        return;\n    }\n",
             ),
+        ),
+    ),
+    Patch(
+        name="ggml-cuda-linear-fused",
+        backends=frozenset({"cuda"}),
+        adds={
+            "ggml/src/ggml-cuda/linear_fused.cuh": "linear_fused.cuh",
+            "ggml/src/ggml-cuda/sdfarm_graph.cuh": "sdfarm_graph.cuh",
+        },
+        edits=(
+            before(GRAPH, LINEAR_ANCHOR, '#include "ggml-cuda/linear_fused.cuh"\n\n'),
+            before(GRAPH, "                    ggml_cuda_topk_moe_args args;\n", LINEAR_FUSION),
+        ),
+    ),
+    Patch(
+        name="ggml-cuda-layer-norm-fused",
+        backends=frozenset({"cuda"}),
+        adds={
+            "ggml/src/ggml-cuda/layer_norm_fused.cuh": "layer_norm_fused.cuh",
+            "ggml/src/ggml-cuda/sdfarm_graph.cuh": "sdfarm_graph.cuh",
+        },
+        edits=(
+            after(NORM, '#include "norm.cuh"\n', '#include "layer_norm_fused.cuh"\n'),
+            after(
+                NORM_H,
+                "void ggml_cuda_op_norm(ggml_backend_cuda_context & ctx, ggml_tensor * dst);\n",
+                "\nint sdfarm_layer_norm_fuse(ggml_backend_cuda_context & ctx,"
+                " ggml_cgraph * cgraph, int i);\n",
+            ),
+            before(GRAPH, "                    ggml_cuda_topk_moe_args args;\n", LN_FUSION),
         ),
     ),
 )
