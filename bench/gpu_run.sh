@@ -76,6 +76,8 @@
 #   bash bench/gpu_run.sh fusetable # fuse's build: the farm (N=8, MPS) at the four cases, eager
 #                                   # b1, compiled b4 at 512
 #   bash bench/gpu_run.sh fusepeer  # after fusetable: compiled b4 at 1024, eager b1, the farm again
+#   bash bench/gpu_run.sh fusemore  # fuse's build carried: one engine with/without at 1024 x 4;
+#                                   # the farm (MPS) at N = 1, 2, 4 at 1024 x 4
 #   bash bench/gpu_run.sh fattn     # ggml's flash attention alone at the UNet's shapes, per
 #                                   # configuration of its head-size-64 kernel; torch's SDPA
 #
@@ -1101,6 +1103,64 @@ sdpatable() {
     peer_compiled 512 150 compiled-512-sdpa-lease
 }
 
+# fuse: build here (our six CUDA patches: the linear and layer-norm fusions are new) and pack it
+# to carry; one engine with and without the fusions at 512 and 1024 x 4 steps (SDFARM_CUDNN on;
+# fresh processes alternating; pixels compared); the farm under MPS at N = 8 at the 4-step
+# cases with them.
+FUSE_OFF="SDFARM_LINEAR_FUSED=0,SDFARM_LAYER_NORM_FUSED=0"
+fuse() {
+    PACK_LATER=1 ensure_cudnn
+    local base="$CUDA_DIR:SDFARM_CUDNN=$SDFARM_CUDNN"
+    say "attention through cuDNN compiled in (build.log lines): $(grep -c 'SDFARM_CUDNN_SDPA=1' "$CUDA_DIR/build.log")"
+    options fuse4 170 --steps 4 --images 3 --variant "fused=$base" \
+        --variant "unfused=$base,$FUSE_OFF" --variant "linear-only=$base,SDFARM_LAYER_NORM_FUSED=0" \
+        --variant "fused-again=$base" --variant "unfused-again=$base,$FUSE_OFF"
+    pack_wait
+    if mps_start; then
+        farm_cases fuse-mps-n8 8 2 80 "1024:4:12 512:4:30"
+        mps_stop
+    fi
+}
+
+# fusetable: fuse's build (carried or still here): the farm under MPS at N = 8 at the four
+# cases; the peer's eager batch 1 and compiled batch 4 at 512.
+fusetable() {
+    ensure_cudnn
+    if mps_start; then
+        farm_cases fuse-mps-n8all 8 2 70
+        mps_stop
+    fi
+    peer_eager fuse-table-lease 1,4
+    peer_compiled 512 150 compiled-512-fuse-lease
+}
+
+# fusepeer: right after fusetable: the peer's compiled batch 4 at 1024, its eager batch 1 again,
+# and the farm's 4-step cases at N = 8 again.
+fusepeer() {
+    ensure_cudnn
+    peer_compiled 1024 200 compiled-1024-fuse-lease
+    peer_eager fuse-peer-lease 1,4
+    if mps_start; then
+        farm_cases fuse-mps-n8b 8 2 70 "1024:4:12 512:4:30"
+        mps_stop
+    fi
+}
+
+# fusemore: fuse's build carried: one engine with and without the fusions at 1024 x 4 steps
+# (nothing else on the machine; alternating), then the farm under MPS at N = 1, 2, 4 at 1024 x 4
+# steps (N = 8: fusetable, fusepeer).
+fusemore() {
+    ensure_cudnn
+    local base="$CUDA_DIR:SDFARM_CUDNN=$SDFARM_CUDNN"
+    options fuse1024 150 --sizes 1024 --steps 4 --images 4 --variant "fused=$base" \
+        --variant "unfused=$base,$FUSE_OFF" --variant "fused-again=$base" \
+        --variant "unfused-again=$base,$FUSE_OFF"
+    if mps_start; then
+        farm_cases fuse-mps-curve 1,2,4 2 200 "1024:4:12"
+        mps_stop
+    fi
+}
+
 # fattn: ggml's flash-attention op alone at the SD UNet's shapes (bench/fattn_bench.cpp),
 # ggml's configuration and FA_VARIANTS of its head-size-64 row (bench/fattn_variants.py),
 # alternating, each output compared with ggml's own; then PyTorch's SDPA at the same shapes.
@@ -1354,7 +1414,7 @@ peertwo() {
 case "$PHASE" in
     setup | bench1 | bench2) ;;
     cuda_recheck | cudafarm | overhead | speedbatch | gputests | cpu1024 | twogpu) ;;
-    features | tiling | peer | tilingpeer | decodefarm | lanes | extras | cudaopts | cudamore | vulkan | vkcheck | peerone | peertwo | peerthree | effprefetch | nextlease | chainlease | i2vmps | lookahead | profile | lookprofile | im2col2 | im2col4 | gnorm | gnormpeer | im2colvec | vecmore | effahead | cublas32 | effbacklog | cudnndebug | cudnnall | cudnnalone | cudnnwhy | cudnnfix | cudnnfarm | cudnnn8 | cudnndecode | peer512c | fattn | sdpa | sdpapeer | sdpatable | fuse | fusetable | fusepeer) ;;
+    features | tiling | peer | tilingpeer | decodefarm | lanes | extras | cudaopts | cudamore | vulkan | vkcheck | peerone | peertwo | peerthree | effprefetch | nextlease | chainlease | i2vmps | lookahead | profile | lookprofile | im2col2 | im2col4 | gnorm | gnormpeer | im2colvec | vecmore | effahead | cublas32 | effbacklog | cudnndebug | cudnnall | cudnnalone | cudnnwhy | cudnnfix | cudnnfarm | cudnnn8 | cudnndecode | peer512c | fattn | sdpa | sdpapeer | sdpatable | fuse | fusetable | fusepeer | fusemore) ;;
     *) echo "usage: bash bench/gpu_run.sh setup|bench1|bench2|cuda_recheck|cudafarm|overhead|speedbatch|gputests|cpu1024|twogpu|features|tiling|peer|tilingpeer|decodefarm|lanes|extras|cudaopts|cudamore|vulkan|vkcheck|peerone|peertwo|peerthree|effprefetch|nextlease|chainlease|i2vmps|lookahead|profile" >&2; exit 2 ;;
 esac
 set -o pipefail
