@@ -78,6 +78,8 @@
 #   bash bench/gpu_run.sh fusepeer  # after fusetable: compiled b4 at 1024, eager b1, the farm again
 #   bash bench/gpu_run.sh fusemore  # fuse's build carried: one engine with/without at 1024 x 4;
 #                                   # the farm (MPS) at N = 1, 2, 4 at 1024 x 4
+#   bash bench/gpu_run.sh attnfuse  # build here (+ the self-attention fusion); one engine with
+#                                   # and without it at 4 steps; the farm (N=8, MPS); the peer
 #   bash bench/gpu_run.sh fattn     # ggml's flash attention alone at the UNet's shapes, per
 #                                   # configuration of its head-size-64 kernel; torch's SDPA
 #
@@ -1161,6 +1163,24 @@ fusemore() {
     fi
 }
 
+# attnfuse: build here (the self-attention fusion added: native/patches/attn_fused.cuh); one
+# engine with all fusions, without the attention's, and without any, at 512 and 1024 x 4 steps
+# (pixels compared); the farm under MPS at N = 8 at the four cases; the peer's eager batch 1
+# and compiled batch 4 at 512 with what is left.
+attnfuse() {
+    NOPACK=1 ensure_cudnn
+    local base="$CUDA_DIR:SDFARM_CUDNN=$SDFARM_CUDNN"
+    options attn4 110 --steps 4 --images 3 --variant "fused=$base" \
+        --variant "no-attn=$base,SDFARM_ATTN_FUSED=0" --variant "none=$base,$FUSE_OFF,SDFARM_ATTN_FUSED=0" \
+        --variant "fused-again=$base" --variant "no-attn-again=$base,SDFARM_ATTN_FUSED=0"
+    if mps_start; then
+        farm_cases attn-mps-n8 8 2 60 "1024:4:12 512:4:30 1024:1:16 512:1:40"
+        mps_stop
+    fi
+    peer_eager attn-lease 1,4
+    peer_compiled 512 130 compiled-512-attn-lease
+}
+
 # fattn: ggml's flash-attention op alone at the SD UNet's shapes (bench/fattn_bench.cpp),
 # ggml's configuration and FA_VARIANTS of its head-size-64 row (bench/fattn_variants.py),
 # alternating, each output compared with ggml's own; then PyTorch's SDPA at the same shapes.
@@ -1414,7 +1434,7 @@ peertwo() {
 case "$PHASE" in
     setup | bench1 | bench2) ;;
     cuda_recheck | cudafarm | overhead | speedbatch | gputests | cpu1024 | twogpu) ;;
-    features | tiling | peer | tilingpeer | decodefarm | lanes | extras | cudaopts | cudamore | vulkan | vkcheck | peerone | peertwo | peerthree | effprefetch | nextlease | chainlease | i2vmps | lookahead | profile | lookprofile | im2col2 | im2col4 | gnorm | gnormpeer | im2colvec | vecmore | effahead | cublas32 | effbacklog | cudnndebug | cudnnall | cudnnalone | cudnnwhy | cudnnfix | cudnnfarm | cudnnn8 | cudnndecode | peer512c | fattn | sdpa | sdpapeer | sdpatable | fuse | fusetable | fusepeer | fusemore) ;;
+    features | tiling | peer | tilingpeer | decodefarm | lanes | extras | cudaopts | cudamore | vulkan | vkcheck | peerone | peertwo | peerthree | effprefetch | nextlease | chainlease | i2vmps | lookahead | profile | lookprofile | im2col2 | im2col4 | gnorm | gnormpeer | im2colvec | vecmore | effahead | cublas32 | effbacklog | cudnndebug | cudnnall | cudnnalone | cudnnwhy | cudnnfix | cudnnfarm | cudnnn8 | cudnndecode | peer512c | fattn | sdpa | sdpapeer | sdpatable | fuse | fusetable | fusepeer | fusemore | attnfuse) ;;
     *) echo "usage: bash bench/gpu_run.sh setup|bench1|bench2|cuda_recheck|cudafarm|overhead|speedbatch|gputests|cpu1024|twogpu|features|tiling|peer|tilingpeer|decodefarm|lanes|extras|cudaopts|cudamore|vulkan|vkcheck|peerone|peertwo|peerthree|effprefetch|nextlease|chainlease|i2vmps|lookahead|profile" >&2; exit 2 ;;
 esac
 set -o pipefail

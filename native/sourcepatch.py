@@ -114,6 +114,19 @@ LINEAR_FUSION = (
     "                    }\n"
 )
 
+# A self-attention from to_q's product to the attention through cuDNN, likewise
+# (sdfarm_attn_fuse: the attention's index, or -1).
+ATTN_FUSION = (
+    "                    if (node->op == GGML_OP_MUL_MAT) {\n"
+    "                        const int sdfarm_last =\n"
+    "                            sdfarm_attn_fuse(*cuda_ctx, cgraph, i);\n"
+    "                        if (sdfarm_last > i) {\n"
+    "                            i = sdfarm_last;\n"
+    "                            continue;\n"
+    "                        }\n"
+    "                    }\n"
+)
+
 # A layer norm with its weight and bias, likewise (sdfarm_layer_norm_fuse: the bias add's index).
 LN_FUSION = (
     "                    if (node->op == GGML_OP_NORM) {\n"
@@ -251,6 +264,22 @@ PATCHES: tuple[Patch, ...] = (
                 " ggml_cgraph * cgraph, int i);\n",
             ),
             before(GRAPH, "                    ggml_cuda_topk_moe_args args;\n", LN_FUSION),
+        ),
+    ),
+    Patch(
+        name="ggml-cuda-attn-fused",
+        backends=frozenset({"cuda"}),
+        adds={
+            "ggml/src/ggml-cuda/attn_fused.cuh": "attn_fused.cuh",
+            "ggml/src/ggml-cuda/sdfarm_graph.cuh": "sdfarm_graph.cuh",
+        },
+        edits=(
+            after(
+                GRAPH,
+                '#include "ggml-cuda/linear_fused.cuh"\n',
+                '#include "ggml-cuda/attn_fused.cuh"\n',
+            ),
+            before(GRAPH, "                    ggml_cuda_topk_moe_args args;\n", ATTN_FUSION),
         ),
     ),
 )

@@ -115,9 +115,9 @@ struct sdfarm_sdpa_plan {
     int64_t workspace = 0;
 };
 
-// (device, B, H, Sq, Skv, D, K's and V's element strides of batch, head and row, the scale)
+// (device, B, H, Sq, Skv, D, Q's, K's and V's element strides of batch, head and row, the scale)
 typedef std::tuple<int, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
-                   int64_t, uint32_t>
+                   int64_t, int64_t, int64_t, int64_t, uint32_t>
     sdfarm_sdpa_key;
 
 static cudnnHandle_t sdfarm_sdpa_handle(int device) {
@@ -147,7 +147,7 @@ static const sdfarm_sdpa_plan & sdfarm_sdpa_plan_for(cudnnHandle_t h, const sdfa
     if (it != plans.end()) {
         return it->second;
     }
-    const auto [device, B, H, Sq, Skv, D, kb, kh, ks, vb, vh, vs, scale_bits] = key;
+    const auto [device, B, H, Sq, Skv, D, qb, qh, qs, kb, kh, ks, vb, vh, vs, scale_bits] = key;
     (void) device;
     (void) scale_bits;
     sdfarm_sdpa_plan plan;
@@ -157,9 +157,8 @@ static const sdfarm_sdpa_plan & sdfarm_sdpa_plan_for(cudnnHandle_t h, const sdfa
             .set_intermediate_data_type(sdfarm_fe::DataType_t::FLOAT)
             .set_compute_data_type(sdfarm_fe::DataType_t::FLOAT);
         using T = sdfarm_fe::graph::Tensor_attributes;
-        // Q: our contiguous f16 copy in ggml's [D, Sq, H, B] order
-        auto q = g->tensor(T().set_name("Q").set_uid(SDFARM_SDPA_Q).set_dim({B, H, Sq, D}).set_stride(
-            {H * Sq * D, Sq * D, D, 1}));
+        // Q: our contiguous f16 copy in ggml's [D, Sq, H, B] order, or the to_q GEMM's rows
+        auto q = g->tensor(T().set_name("Q").set_uid(SDFARM_SDPA_Q).set_dim({B, H, Sq, D}).set_stride({qb, qh, qs, 1}));
         auto k = g->tensor(T().set_name("K").set_uid(SDFARM_SDPA_K).set_dim({B, H, Skv, D}).set_stride({kb, kh, ks, 1}));
         auto v = g->tensor(T().set_name("V").set_uid(SDFARM_SDPA_V).set_dim({B, H, Skv, D}).set_stride({vb, vh, vs, 1}));
         auto opts = sdfarm_fe::graph::SDPA_attributes().set_name("sdfarm_sdpa").set_generate_stats(false).set_attn_scale(
@@ -182,6 +181,35 @@ static const sdfarm_sdpa_plan & sdfarm_sdpa_plan_for(cudnnHandle_t h, const sdfa
     return plans.emplace(key, plan).first->second;
 }
 
+// Run a built plan on f16 q, k, v into an f16 copy of the output, converted to the f32 `out`
+// (n values). False where cuDNN failed (nothing written to `out`).
+static bool sdfarm_sdpa_execute(ggml_backend_cuda_context & ctx, cudnnHandle_t h, const sdfarm_sdpa_plan & plan,
+                                const half * q, const half * k, const half * v, float * out, int64_t n) {
+    cudaStream_t stream = ctx.stream();
+    ggml_cuda_pool & pool = ctx.pool();
+    ggml_cuda_pool_alloc<half> o16(pool, n);
+    ggml_cuda_pool_alloc<char> ws(pool, plan.workspace > 0 ? plan.workspace : 1);
+    std::unordered_map<int64_t, void *> pack = {
+        {SDFARM_SDPA_Q, const_cast<half *>(q)}, {SDFARM_SDPA_K, const_cast<half *>(k)},
+        {SDFARM_SDPA_V, const_cast<half *>(v)}, {SDFARM_SDPA_O, o16.get()}};
+    try {
+        if (sdfarm_fe::detail::set_stream(h, stream) != CUDNN_STATUS_SUCCESS) {
+            sdfarm_sdpa_fail("cudnnSetStream");
+            return false;
+        }
+        auto st = plan.graph->execute(h, pack, ws.get());
+        if (!st.is_good()) {
+            sdfarm_sdpa_fail(st.get_message());
+            return false;
+        }
+    } catch (const std::exception & e) {
+        sdfarm_sdpa_fail(e.what());
+        return false;
+    }
+    ggml_get_to_fp32_cuda(GGML_TYPE_F16)(o16.get(), out, n, stream);
+    return true;
+}
+
 // dst (a FLASH_ATTN_EXT node) through cuDNN. False where cuDNN is off, the node is not one it
 // takes or it refused (at most Q's f16 copy was launched, into a buffer of our own); then
 // ggml's kernel runs it.
@@ -200,7 +228,8 @@ static bool sdfarm_cudnn_fattn(ggml_backend_cuda_context & ctx, ggml_tensor * ds
     uint32_t scale_bits;
     memcpy(&scale_bits, &s.scale, sizeof(scale_bits));
     const int64_t es = 2;  // f16
-    const sdfarm_sdpa_key key{ctx.device, s.batch, s.heads, s.q_len, s.kv_len, s.d,
+    const int64_t qb = s.heads * s.q_len * s.d, qh = s.q_len * s.d;  // our contiguous f16 copy of Q
+    const sdfarm_sdpa_key key{ctx.device, s.batch, s.heads, s.q_len, s.kv_len, s.d, qb, qh, s.d,
                               (int64_t) K->nb[3] / es, (int64_t) K->nb[2] / es, (int64_t) K->nb[1] / es,
                               (int64_t) V->nb[3] / es, (int64_t) V->nb[2] / es, (int64_t) V->nb[1] / es, scale_bits};
     const sdfarm_sdpa_plan & plan = sdfarm_sdpa_plan_for(h, key, s.scale);
@@ -208,39 +237,65 @@ static bool sdfarm_cudnn_fattn(ggml_backend_cuda_context & ctx, ggml_tensor * ds
         return false;
     }
     cudaStream_t stream = ctx.stream();
-    ggml_cuda_pool & pool = ctx.pool();
     const int64_t n = ggml_nelements(Q);
-    ggml_cuda_pool_alloc<half> q16(pool);
-    const void * q = Q->data;
+    ggml_cuda_pool_alloc<half> q16(ctx.pool());
+    const half * q = (const half *) Q->data;
     if (Q->type == GGML_TYPE_F32) {
         q16.alloc(n);
         ggml_get_to_fp16_cuda(GGML_TYPE_F32)(Q->data, q16.get(), n, stream);
         q = q16.get();
     }
-    ggml_cuda_pool_alloc<half> o16(pool, ggml_nelements(dst));
-    ggml_cuda_pool_alloc<char> ws(pool, plan.workspace > 0 ? plan.workspace : 1);
-    std::unordered_map<int64_t, void *> pack = {
-        {SDFARM_SDPA_Q, const_cast<void *>(q)}, {SDFARM_SDPA_K, K->data}, {SDFARM_SDPA_V, V->data},
-        {SDFARM_SDPA_O, o16.get()}};
-    try {
-        if (sdfarm_fe::detail::set_stream(h, stream) != CUDNN_STATUS_SUCCESS) {
-            sdfarm_sdpa_fail("cudnnSetStream");
-            return false;
-        }
-        auto st = plan.graph->execute(h, pack, ws.get());
-        if (!st.is_good()) {
-            sdfarm_sdpa_fail(st.get_message());
-            return false;
-        }
-    } catch (const std::exception & e) {
-        sdfarm_sdpa_fail(e.what());
+    return sdfarm_sdpa_execute(ctx, h, plan, q, (const half *) K->data, (const half *) V->data, (float *) dst->data,
+                               ggml_nelements(dst));
+}
+
+// Self-attention of one image whose f16 Q, K and V are the to_q, to_k and to_v GEMMs' outputs:
+// L rows of H * D values each (ggml's [D, H, L] before stable-diffusion.cpp's permutes), as
+// linear_fused.cuh's attention fusion has them. The plan (built once per shape) exists.
+static bool sdfarm_sdpa_rows_plan(int device, int64_t H, int64_t L, int64_t D, float scale,
+                                  cudnnHandle_t * h, const sdfarm_sdpa_plan ** plan) {
+    if (!sdfarm_sdpa_on() || D % 8 != 0 || D < 8 || D > 128) {
         return false;
     }
-    ggml_get_to_fp32_cuda(GGML_TYPE_F16)(o16.get(), (float *) dst->data, ggml_nelements(dst), stream);
-    return true;
+    *h = sdfarm_sdpa_handle(device);
+    if (*h == nullptr) {
+        return false;
+    }
+    uint32_t scale_bits;
+    memcpy(&scale_bits, &scale, sizeof(scale_bits));
+    const int64_t C = H * D;
+    const sdfarm_sdpa_key key{device, 1, H, L, L, D, L * C, D, C, L * C, D, C, L * C, D, C, scale_bits};
+    *plan = &sdfarm_sdpa_plan_for(*h, key, scale);
+    return (*plan)->graph != nullptr;
+}
+
+bool sdfarm_cudnn_sdpa_rows_ready(int device, int64_t H, int64_t L, int64_t D, float scale) {
+    cudnnHandle_t h;
+    const sdfarm_sdpa_plan * plan;
+    return sdfarm_sdpa_rows_plan(device, H, L, D, scale, &h, &plan);
+}
+
+// dst: ggml's FLASH_ATTN_EXT output, f32 [D, H, L].
+bool sdfarm_cudnn_sdpa_rows(ggml_backend_cuda_context & ctx, const half * q, const half * k, const half * v,
+                            int64_t H, int64_t L, int64_t D, float scale, float * dst) {
+    cudnnHandle_t h;
+    const sdfarm_sdpa_plan * plan;
+    if (!sdfarm_sdpa_rows_plan(ctx.device, H, L, D, scale, &h, &plan)) {
+        return false;
+    }
+    return sdfarm_sdpa_execute(ctx, h, *plan, q, k, v, dst, H * L * D);
 }
 #elif defined(__CUDACC__)
 static bool sdfarm_cudnn_fattn(ggml_backend_cuda_context &, ggml_tensor *) {
     return false;  // built without cuDNN's headers
+}
+
+bool sdfarm_cudnn_sdpa_rows_ready(int, int64_t, int64_t, int64_t, float) {
+    return false;
+}
+
+bool sdfarm_cudnn_sdpa_rows(ggml_backend_cuda_context &, const half *, const half *, const half *, int64_t, int64_t,
+                            int64_t, float, float *) {
+    return false;
 }
 #endif

@@ -296,6 +296,31 @@ static void sdfarm_linear_epilogue_launch(const half * c, const float * b, const
     CUDA_CHECK(cudaGetLastError());
 }
 
+// Whether ggml_cuda_mul_mat would multiply f16 weights w by n columns through
+// ggml_cuda_op_mul_mat_cublas's f16 path (f16 product, CUBLAS_COMPUTE_16F).
+static bool sdfarm_cublas_f16_path(ggml_backend_cuda_context & ctx, const ggml_tensor * w, int64_t n) {
+    const int cc = ggml_cuda_info().devices[ctx.device].cc;
+    const int warp_size = ggml_cuda_info().devices[ctx.device].warp_size;
+    return GGML_CUDA_CC_IS_NVIDIA(cc) && cc != GGML_CUDA_CC_VOLTA && fast_fp16_hardware_available(cc) &&
+           !ggml_cuda_cublas_get_force_compute_type().fp32 && !ggml_backend_buft_is_cuda_split(w->buffer->buft) &&
+           !ggml_cuda_should_use_mmvf(w->type, cc, w->ne, w->nb, n) &&
+           !ggml_cuda_should_use_mmf(w->type, cc, warp_size, w->ne, w->nb, n, /*mul_mat_id=*/false);
+}
+
+// The f16 product of f16 weights w ([k, m]) and f16 x ([k, n]) into c ([m, n]): the cuBLAS call
+// of ggml_cuda_op_mul_mat_cublas's f16 path, argument for argument, so the same values.
+static void sdfarm_cublas_f16_gemm(ggml_backend_cuda_context & ctx, const ggml_tensor * w, const half * x,
+                                   half * c, int64_t n, cudaStream_t stream) {
+    const int64_t k = w->ne[0];
+    const int64_t m = w->ne[1];
+    const half alpha = 1.0f;
+    const half beta = 0.0f;
+    CUBLAS_CHECK(cublasSetStream(ctx.cublas_handle(), stream));
+    CUBLAS_CHECK(cublasGemmEx(ctx.cublas_handle(), CUBLAS_OP_T, CUBLAS_OP_N, m, n, k, &alpha, w->data, CUDA_R_16F, k,
+                              x, CUDA_R_16F, k, &beta, c, CUDA_R_16F, m, CUBLAS_COMPUTE_16F,
+                              CUBLAS_GEMM_DEFAULT_TENSOR_OP));
+}
+
 static bool sdfarm_linear_disabled() {
     static const bool off = [] {
         const char * v = getenv("SDFARM_LINEAR_FUSED");
@@ -318,29 +343,18 @@ int sdfarm_linear_fuse(ggml_backend_cuda_context & ctx, ggml_cgraph * cgraph, in
     const ggml_tensor * mm = cgraph->nodes[i];
     const ggml_tensor * w = mm->src[0];
     const ggml_tensor * x = mm->src[1];
-    // Only where ggml_cuda_mul_mat would call ggml_cuda_op_mul_mat_cublas and take its f16 path.
-    const int cc = ggml_cuda_info().devices[ctx.device].cc;
-    const int warp_size = ggml_cuda_info().devices[ctx.device].warp_size;
-    if (!GGML_CUDA_CC_IS_NVIDIA(cc) || cc == GGML_CUDA_CC_VOLTA || !fast_fp16_hardware_available(cc) ||
-        ggml_cuda_cublas_get_force_compute_type().fp32 || ggml_backend_buft_is_cuda_split(w->buffer->buft) ||
-        ggml_cuda_should_use_mmvf(w->type, cc, w->ne, w->nb, x->ne[1]) ||
-        ggml_cuda_should_use_mmf(w->type, cc, warp_size, w->ne, w->nb, x->ne[1], /*mul_mat_id=*/false)) {
-        return -1;
-    }
     const int64_t k = w->ne[0];
     const int64_t m = w->ne[1];
     const int64_t n = x->ne[1];
+    if (!sdfarm_cublas_f16_path(ctx, w, n)) {
+        return -1;
+    }
     cudaStream_t stream = ctx.stream();
 
     ggml_cuda_pool_alloc<half> x16(ctx.pool(), k * n);
     ggml_get_to_fp16_cuda(GGML_TYPE_F32)(x->data, x16.get(), k * n, stream);
     ggml_cuda_pool_alloc<half> c16(ctx.pool(), m * n);
-    const half alpha = 1.0f;
-    const half beta = 0.0f;
-    CUBLAS_CHECK(cublasSetStream(ctx.cublas_handle(), stream));
-    CUBLAS_CHECK(cublasGemmEx(ctx.cublas_handle(), CUBLAS_OP_T, CUBLAS_OP_N, m, n, k, &alpha, w->data, CUDA_R_16F,
-                              k, x16.get(), CUDA_R_16F, k, &beta, c16.get(), CUDA_R_16F, m, CUBLAS_COMPUTE_16F,
-                              CUBLAS_GEMM_DEFAULT_TENSOR_OP));
+    sdfarm_cublas_f16_gemm(ctx, w, x16.get(), c16.get(), n, stream);
 
     ggml_tensor * out = cgraph->nodes[plan.last];
     const float * b = (const float *) plan.bias->data;

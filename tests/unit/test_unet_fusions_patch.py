@@ -1,11 +1,12 @@
 """The UNet transformer's fusions on CUDA: linear layers with their bias add and the GEGLU or
-residual add after them (native/patches/linear_fused.cuh), and the layer norm with its weight
-and bias (native/patches/layer_norm_fused.cuh). The patches applying to the pinned source, and
+residual add after them (native/patches/linear_fused.cuh), the layer norm with its weight and
+bias (native/patches/layer_norm_fused.cuh), and the self-attention from its input to cuDNN's
+attention (native/patches/attn_fused.cuh). The patches applying to the pinned source, and
 their graph walks asked about graphs the pinned ggml builds the way stable-diffusion.cpp builds
 them (Linear, GEGLU, LayerNorm and BasicTransformerBlock's residual adds, transcribed from its
 common_block.hpp and ggml_extend.hpp). The kernels need a GPU: bench/build_options.py compares
-the images with and without them (SDFARM_LINEAR_FUSED=0, SDFARM_LAYER_NORM_FUSED=0),
-docs/gpu.md."""
+the images with and without them (SDFARM_LINEAR_FUSED=0, SDFARM_LAYER_NORM_FUSED=0,
+SDFARM_ATTN_FUSED=0), docs/gpu.md."""
 
 from __future__ import annotations
 
@@ -28,13 +29,22 @@ def test_the_patch_applies_to_the_pinned_source(tmp_path: Path) -> None:
     assert (out / "ggml/src/ggml-cuda/linear_fused.cuh").is_file()
     assert (src / sourcepatch.GRAPH).read_text().count("sdfarm") == 0
     assert graph.count("sdfarm_layer_norm_fuse(*cuda_ctx, cgraph, i);") == 1
+    assert graph.count("sdfarm_attn_fuse(*cuda_ctx, cgraph, i);") == 1
+    attn = graph.index('#include "ggml-cuda/attn_fused.cuh"')
+    assert include < attn < graph.index(sourcepatch.LINEAR_ANCHOR)
+    fattn = (out / sourcepatch.FATTN).read_text()
+    assert '#include "fattn_cudnn.cuh"' in fattn  # defines what attn_fused.cuh calls
     norm = (out / sourcepatch.NORM).read_text()
     assert '#include "layer_norm_fused.cuh"' in norm
     assert "int sdfarm_layer_norm_fuse(" in (out / sourcepatch.NORM_H).read_text()
     assert (src / sourcepatch.NORM).read_text().count("sdfarm") == 0
     for backend in ("cpu", "vulkan"):
         names = {p.name for p in sourcepatch.for_backend(backend)}
-        assert not names & {"ggml-cuda-linear-fused", "ggml-cuda-layer-norm-fused"}
+        assert not names & {
+            "ggml-cuda-linear-fused",
+            "ggml-cuda-layer-norm-fused",
+            "ggml-cuda-attn-fused",
+        }
 
 
 HARNESS = r"""
@@ -196,3 +206,94 @@ def test_the_layer_norm_walk_takes_ggml_ext_layer_norm_whole_and_nothing_else(tm
     lines = run_graph_harness(tmp_path, HARNESS)
     got = dict(line.split(" chain ") for line in lines if " chain " in line)
     assert got == {"norm1": "norm1_bias", "norm_no_bias": "-", "norm_read_twice": "-"}, lines
+
+
+ATTN_HARNESS = r"""
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include "ggml.h"
+#include "ggml-impl.h"
+#define SDFARM_HOST_GRAPH 1
+#include "attn_fused.cuh"
+
+static ggml_context * ctx;
+
+// CrossAttention::forward (common_block.hpp) through ggml_ext_attention_ext (ggml_extend.hpp)
+// with flash attention, for key lengths that need no padding; `twice` reads to_q's product
+// again, `mask` adds one
+static ggml_tensor * attention(ggml_tensor * x, ggml_tensor * context, int64_t H, bool twice,
+                               bool mask, const char * name) {
+    const int64_t C = x->ne[0], L = x->ne[1], d = C / H;
+    ggml_tensor * q = ggml_mul_mat(ctx, ggml_new_tensor_2d(ctx, GGML_TYPE_F16, C, C), x);
+    ggml_set_name(q, name);
+    ggml_tensor * wk = ggml_new_tensor_2d(ctx, GGML_TYPE_F16, context->ne[0], C);
+    ggml_tensor * wv = ggml_new_tensor_2d(ctx, GGML_TYPE_F16, context->ne[0], C);
+    ggml_tensor * k = ggml_mul_mat(ctx, wk, context);
+    ggml_tensor * v = ggml_mul_mat(ctx, wv, context);
+    const int64_t Lk = k->ne[1];
+    ggml_tensor * extra = twice ? ggml_sum(ctx, q) : nullptr;
+    q = ggml_reshape_4d(ctx, q, d, H, L, 1);
+    q = ggml_cont(ctx, ggml_permute(ctx, q, 0, 2, 1, 3));
+    q = ggml_reshape_3d(ctx, q, d, L, H);
+    k = ggml_reshape_4d(ctx, k, d, H, Lk, 1);
+    k = ggml_cont(ctx, ggml_permute(ctx, k, 0, 2, 1, 3));
+    k = ggml_reshape_3d(ctx, k, d, Lk, H);
+    v = ggml_reshape_4d(ctx, v, d, H, Lk, 1);
+    k = ggml_cast(ctx, k, GGML_TYPE_F16);
+    v = ggml_cont(ctx, ggml_permute(ctx, v, 0, 2, 1, 3));
+    v = ggml_reshape_3d(ctx, v, d, Lk, H);
+    v = ggml_cast(ctx, v, GGML_TYPE_F16);
+    ggml_tensor * m = mask ? ggml_new_tensor_2d(ctx, GGML_TYPE_F16, Lk, L) : nullptr;
+    ggml_tensor * out = ggml_flash_attn_ext(ctx, q, k, v, m, 1.0f / std::sqrt((float) d), 0, 0);
+    ggml_flash_attn_ext_set_prec(out, GGML_PREC_F32);
+    out = ggml_view_3d(ctx, out, d, H, L, out->nb[1], out->nb[2], 0);
+    out = ggml_reshape_3d(ctx, out, C, L, 1);
+    return extra ? ggml_add(ctx, out, ggml_repeat(ctx, extra, out)) : out;
+}
+
+int main() {
+    ggml_init_params params = {64 * 1024 * 1024, nullptr, true};
+    ctx = ggml_init(params);
+    const int64_t C = 320, L = 512;
+    ggml_tensor * x = ggml_new_tensor_3d(ctx, GGML_TYPE_F32, C, L, 1);
+    ggml_tensor * context = ggml_new_tensor_3d(ctx, GGML_TYPE_F32, 1024, 256, 1);
+    ggml_tensor * h = ggml_add(ctx, attention(x, x, 5, false, false, "self"), x);
+    h = ggml_add(ctx, attention(h, context, 5, false, false, "cross"), h);
+    h = ggml_add(ctx, attention(h, h, 5, true, false, "q_read_twice"), h);
+    h = ggml_add(ctx, attention(h, h, 5, false, true, "masked"), h);
+    ggml_cgraph * gf = ggml_new_graph(ctx);
+    ggml_build_forward_expand(gf, h);
+    for (int i = 0; i < ggml_graph_n_nodes(gf); i++) {
+        ggml_graph_node(gf, i)->flags |= GGML_TENSOR_FLAG_COMPUTE;
+    }
+    for (int i = 0; i < ggml_graph_n_nodes(gf); i++) {
+        ggml_tensor * t = ggml_graph_node(gf, i);
+        if (t->op != GGML_OP_MUL_MAT || strncmp(t->name, "node_", 5) == 0) continue;
+        const sdfarm_attn_plan p = sdfarm_attn_plan_at(gf, i);
+        if (p.fa < 0) {
+            printf("%s -\n", t->name);
+            continue;
+        }
+        printf("%s %s after %d nodes: heads %ld d %ld len %ld scale %.4f shared x %d\n", t->name,
+               ggml_op_name(ggml_graph_node(gf, p.fa)->op), p.fa - i, (long) p.heads, (long) p.d,
+               (long) p.len, p.scale, p.x == t->src[1]);
+    }
+    ggml_free(ctx);
+    return 0;
+}
+"""
+
+
+def test_the_attention_walk_takes_the_unets_self_attention_and_nothing_else(tmp_path) -> None:
+    """Self-attention is taken from to_q's product to the attention (18 nodes in between, the
+    input shared by to_q, to_k and to_v); cross-attention (K and V from the context), a to_q
+    product read again and a masked attention are left to ggml."""
+    lines = run_graph_harness(tmp_path, ATTN_HARNESS)
+    got = {line.split(" ", 1)[0]: line.split(" ", 1)[1] for line in lines}
+    assert got == {
+        "self": "FLASH_ATTN_EXT after 17 nodes: heads 5 d 64 len 512 scale 0.1250 shared x 1",
+        "cross": "-",
+        "q_read_twice": "-",
+        "masked": "-",
+    }, lines

@@ -1,0 +1,216 @@
+// sdfarm: the UNet's self-attention from its input to the attention's output in one step on
+// ggml's CUDA backend, with cuDNN's SDPA (applied by sdfarm.native.sourcepatch into
+// ggml-cuda.cu, after linear_fused.cuh, whose cuBLAS helpers it uses).
+//
+// stable-diffusion.cpp's CrossAttention with flash attention (common_block.hpp,
+// ggml_ext_attention_ext) multiplies the normed input by to_q, to_k and to_v (three f16 GEMMs,
+// each converting the same input to f16 and its f16 product back to f32), copies each result
+// into [D, L, H] order (three CONTs), casts K and V to f16 (two CPYs), and the attention (through
+// cuDNN: fattn_cudnn.cuh) converts Q to f16 again. At 1024x1024 each of these passes is over
+// 16384 x 320 values, twice per transformer block.
+//
+// Here the input is converted once, the three GEMMs (ggml's cuBLAS call) write their f16
+// products, and cuDNN's SDPA reads them where they are: a row of H * D values per position is
+// the layout cuDNN calls BSHD. The values reaching the attention are those of ggml's path (an
+// f16 product converted to f32 and back is the same f16), so the attention gets the same
+// inputs; only the FLASH_ATTN_EXT node's f32 output is written.
+//
+// Only where the attention goes to cuDNN (SDFARM_CUDNN names it; a build with its headers);
+// SDFARM_ATTN_FUSED=0 in a process's environment leaves the chain to ggml and
+// fattn_cudnn.cuh. tests/unit/test_unet_fusions_patch.py asks the walk about the graph the
+// pinned ggml builds.
+#pragma once
+
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+
+#include "sdfarm_graph.cuh"
+
+struct sdfarm_attn_plan {
+    int fa = -1;  // the FLASH_ATTN_EXT node, the last one computed
+    const ggml_tensor * x = nullptr;
+    const ggml_tensor * w[3] = {nullptr, nullptr, nullptr};  // to_q, to_k, to_v
+    int64_t d = 0, heads = 0, len = 0;
+    float scale = 0.0f;
+};
+
+#if defined(__CUDACC__) || defined(SDFARM_HOST_GRAPH)
+#define SDFARM_ATTN_SPAN 32  // nodes from to_q's product to the attention: 18 in the pinned graph
+
+// The node index of t in [from, to], or -1.
+static int sdfarm_attn_index(const ggml_cgraph * cgraph, const ggml_tensor * t, int from, int to) {
+    for (int k = from; k <= to && k < cgraph->n_nodes; k++) {
+        if (cgraph->nodes[k] == t) {
+            return k;
+        }
+    }
+    return -1;
+}
+
+// Whether t is a node in [from, to] that exactly one other node reads and nobody takes as
+// output (ggml_cast's CPY names itself as its second source, which the graph counts as a use).
+static bool sdfarm_attn_once(const ggml_cgraph * cgraph, const ggml_tensor * t, int from, int to) {
+    const int k = sdfarm_attn_index(cgraph, t, from, to);
+    const int self = t->src[1] == t ? 1 : 0;
+    return k >= 0 && ggml_node_get_use_count(cgraph, k) == 1 + self && (t->flags & GGML_TENSOR_FLAG_OUTPUT) == 0;
+}
+
+// ggml_ext_attention_ext's operand chain: RESHAPE(CONT(PERMUTE(RESHAPE(mm), 0, 2, 1, 3))), with
+// a CPY to f16 on top for K and V. Returns the MUL_MAT and marks the chain's nodes in mine
+// (mine[k - from] for node k), or nullptr.
+static const ggml_tensor * sdfarm_attn_operand(const ggml_cgraph * cgraph, const ggml_tensor * t, bool cast,
+                                               int from, int to, bool * mine) {
+    if (cast) {
+        if (t->op != GGML_OP_CPY || t->type != GGML_TYPE_F16 || t->src[0] == nullptr ||
+            t->src[0]->type != GGML_TYPE_F32 || !sdfarm_attn_once(cgraph, t, from, to)) {
+            return nullptr;
+        }
+        mine[sdfarm_attn_index(cgraph, t, from, to) - from] = true;
+        t = t->src[0];
+    }
+    const ggml_op ops[4] = {GGML_OP_RESHAPE, GGML_OP_CONT, GGML_OP_PERMUTE, GGML_OP_RESHAPE};
+    for (ggml_op op : ops) {
+        if (t->op != op || !sdfarm_attn_once(cgraph, t, from, to)) {
+            return nullptr;
+        }
+        if (op == GGML_OP_PERMUTE) {
+            int32_t axes[4];
+            memcpy(axes, t->op_params, sizeof(axes));
+            if (axes[0] != 0 || axes[1] != 2 || axes[2] != 1 || axes[3] != 3) {
+                return nullptr;
+            }
+        }
+        mine[sdfarm_attn_index(cgraph, t, from, to) - from] = true;
+        t = t->src[0];
+    }
+    if (t->op != GGML_OP_MUL_MAT || !sdfarm_attn_once(cgraph, t, from, to)) {
+        return nullptr;
+    }
+    mine[sdfarm_attn_index(cgraph, t, from, to) - from] = true;
+    return t;
+}
+
+// What to fuse at node i: to_q's product, the chain of ggml_ext_attention_ext to an unmasked
+// FLASH_ATTN_EXT of one image whose K and V are to_k's and to_v's products of the same input
+// (self-attention), f16 weights of [C, C] and C = heads x D; every node from i to the attention
+// is part of that chain or computes nothing.
+static sdfarm_attn_plan sdfarm_attn_plan_at(const ggml_cgraph * cgraph, int i) {
+    sdfarm_attn_plan plan;
+    const ggml_tensor * mq = cgraph->nodes[i];
+    if (mq->op != GGML_OP_MUL_MAT) {
+        return plan;
+    }
+    int fa = -1;
+    for (int k = i + 1; k < cgraph->n_nodes && k <= i + SDFARM_ATTN_SPAN; k++) {
+        if (cgraph->nodes[k]->op == GGML_OP_FLASH_ATTN_EXT) {
+            fa = k;
+            break;
+        }
+    }
+    if (fa < 0) {
+        return plan;
+    }
+    const ggml_tensor * att = cgraph->nodes[fa];
+    if (att->src[3] != nullptr || att->src[4] != nullptr || att->type != GGML_TYPE_F32 || !ggml_is_contiguous(att) ||
+        (att->flags & GGML_TENSOR_FLAG_COMPUTE) == 0) {
+        return plan;
+    }
+    float params[3];
+    memcpy(params, att->op_params, sizeof(params));  // scale, max_bias, logit_softcap
+    if (params[1] != 0.0f || params[2] != 0.0f) {
+        return plan;
+    }
+    bool mine[SDFARM_ATTN_SPAN] = {};  // mine[k - i]: node k is part of the chain
+    const ggml_tensor * mm[3];
+    for (int o = 0; o < 3; o++) {
+        mm[o] = sdfarm_attn_operand(cgraph, att->src[o], o > 0, i, fa - 1, mine);
+        if (mm[o] == nullptr) {
+            return plan;
+        }
+    }
+    const ggml_tensor * x = mq->src[1];
+    if (mm[0] != mq || mm[1]->src[1] != x || mm[2]->src[1] != x || x->type != GGML_TYPE_F32 ||
+        !ggml_is_contiguous(x) || x->ne[2] != 1 || x->ne[3] != 1) {
+        return plan;
+    }
+    const ggml_tensor * Q = att->src[0];
+    const int64_t d = Q->ne[0], len = Q->ne[1], heads = Q->ne[2];
+    for (int o = 0; o < 3; o++) {
+        const ggml_tensor * w = mm[o]->src[0];
+        if (w->type != GGML_TYPE_F16 || !ggml_is_contiguous(w) || w->ne[0] != x->ne[0] || w->ne[1] != d * heads ||
+            w->ne[2] != 1 || w->ne[3] != 1 || mm[o]->op_params[0] != GGML_PREC_DEFAULT ||
+            !ggml_are_same_shape(att->src[o], Q)) {
+            return plan;
+        }
+        plan.w[o] = w;
+    }
+    if (Q->ne[3] != 1 || x->ne[1] != len || att->ne[0] != d || att->ne[1] != heads || att->ne[2] != len ||
+        att->ne[3] != 1) {
+        return plan;
+    }
+    for (int k = i; k < fa; k++) {
+        const ggml_tensor * t = cgraph->nodes[k];
+        if (sdfarm_computes_nothing(t)) {
+            continue;
+        }
+        if (!mine[k - i] || (t->flags & GGML_TENSOR_FLAG_COMPUTE) == 0) {
+            return plan;  // another computation sits inside the chain
+        }
+    }
+    plan.fa = fa;
+    plan.x = x;
+    plan.d = d;
+    plan.heads = heads;
+    plan.len = len;
+    plan.scale = params[0];
+    return plan;
+}
+#endif
+
+#ifdef __CUDACC__
+// fattn_cudnn.cuh (fattn.cu): the plan for this shape exists; run it into ggml's f32 output.
+bool sdfarm_cudnn_sdpa_rows_ready(int device, int64_t H, int64_t L, int64_t D, float scale);
+bool sdfarm_cudnn_sdpa_rows(ggml_backend_cuda_context & ctx, const half * q, const half * k, const half * v,
+                            int64_t H, int64_t L, int64_t D, float scale, float * dst);
+
+static bool sdfarm_attn_disabled() {
+    static const bool off = [] {
+        const char * v = getenv("SDFARM_ATTN_FUSED");
+        return v != nullptr && v[0] == '0';
+    }();
+    return off;
+}
+
+// The self-attention whose to_q product is node i (sdfarm_attn_plan_at), tried by the graph
+// loop of ggml-cuda.cu. Returns the attention's index, whose tensor it wrote, or -1 (nothing
+// written to the graph; ggml computes node i on).
+int sdfarm_attn_fuse(ggml_backend_cuda_context & ctx, ggml_cgraph * cgraph, int i) {
+    if (sdfarm_attn_disabled()) {
+        return -1;
+    }
+    const sdfarm_attn_plan plan = sdfarm_attn_plan_at(cgraph, i);
+    if (plan.fa < 0 || !sdfarm_cublas_f16_path(ctx, plan.w[0], plan.len) ||
+        !sdfarm_cudnn_sdpa_rows_ready(ctx.device, plan.heads, plan.len, plan.d, plan.scale)) {
+        return -1;
+    }
+    cudaStream_t stream = ctx.stream();
+    const int64_t c = plan.w[0]->ne[0];
+    const int64_t rows = plan.len * plan.heads * plan.d;
+    ggml_cuda_pool_alloc<half> x16(ctx.pool(), c * plan.len);
+    ggml_get_to_fp16_cuda(GGML_TYPE_F32)(plan.x->data, x16.get(), c * plan.len, stream);
+    ggml_cuda_pool_alloc<half> q16(ctx.pool(), rows);
+    ggml_cuda_pool_alloc<half> k16(ctx.pool(), rows);
+    ggml_cuda_pool_alloc<half> v16(ctx.pool(), rows);
+    half * out[3] = {q16.get(), k16.get(), v16.get()};
+    for (int o = 0; o < 3; o++) {
+        sdfarm_cublas_f16_gemm(ctx, plan.w[o], x16.get(), out[o], plan.len, stream);
+    }
+    ggml_tensor * att = cgraph->nodes[plan.fa];
+    if (!sdfarm_cudnn_sdpa_rows(ctx, q16.get(), k16.get(), v16.get(), plan.heads, plan.len, plan.d, plan.scale,
+                                (float *) att->data)) {
+        return -1;  // nothing of the graph written: ggml runs the chain
+    }
+    return plan.fa;
+}
+#endif
