@@ -1164,15 +1164,15 @@ fusemore() {
 }
 
 # attnfuse: build here (the self-attention fusion added: native/patches/attn_fused.cuh); one
-# engine with all fusions, without the attention's, and without any, at 512 and 1024 x 4 steps
+# engine with all fusions and without the attention's, at 512 and 1024 x 4 steps
 # (pixels compared); the farm under MPS at N = 8 at the four cases; the peer's eager batch 1
 # and compiled batch 4 at 512 with what is left.
 attnfuse() {
     NOPACK=1 ensure_cudnn
     local base="$CUDA_DIR:SDFARM_CUDNN=$SDFARM_CUDNN"
-    options attn4 110 --steps 4 --images 3 --variant "fused=$base" \
-        --variant "no-attn=$base,SDFARM_ATTN_FUSED=0" --variant "none=$base,$FUSE_OFF,SDFARM_ATTN_FUSED=0" \
-        --variant "fused-again=$base" --variant "no-attn-again=$base,SDFARM_ATTN_FUSED=0"
+    options attn4 90 --steps 4 --images 3 --variant "fused=$base" \
+        --variant "no-attn=$base,SDFARM_ATTN_FUSED=0" --variant "fused-again=$base" \
+        --variant "no-attn-again=$base,SDFARM_ATTN_FUSED=0"
     if mps_start; then
         farm_cases attn-mps-n8 8 2 60 "1024:4:12 512:4:30 1024:1:16 512:1:40"
         mps_stop
