@@ -1170,9 +1170,10 @@ fusemore() {
 attnfuse() {
     NOPACK=1 ensure_cudnn
     local base="$CUDA_DIR:SDFARM_CUDNN=$SDFARM_CUDNN"
-    options attn4 90 --steps 4 --images 3 --variant "fused=$base" \
-        --variant "no-attn=$base,SDFARM_ATTN_FUSED=0" --variant "fused-again=$base" \
+    options attn4 90 --steps 4 --images 3 --variant "fused=$base,SDFARM_ATTN_FUSED=1" \
+        --variant "no-attn=$base,SDFARM_ATTN_FUSED=0" --variant "fused-again=$base,SDFARM_ATTN_FUSED=1" \
         --variant "no-attn-again=$base,SDFARM_ATTN_FUSED=0"
+    export SDFARM_ATTN_FUSED=1
     if mps_start; then
         farm_cases attn-mps-n8 8 2 60 "1024:4:12 512:4:30 1024:1:16 512:1:40"
         mps_stop

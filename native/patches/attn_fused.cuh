@@ -15,9 +15,9 @@
 // f16 product converted to f32 and back is the same f16), so the attention gets the same
 // inputs; only the FLASH_ATTN_EXT node's f32 output is written.
 //
-// Only where the attention goes to cuDNN (SDFARM_CUDNN names it; a build with its headers);
-// SDFARM_ATTN_FUSED=0 in a process's environment leaves the chain to ggml and
-// fattn_cudnn.cuh. tests/unit/test_unet_fusions_patch.py asks the walk about the graph the
+// Only where the attention goes to cuDNN (SDFARM_CUDNN names it; a build with its headers),
+// and only with SDFARM_ATTN_FUSED=1 in a process's environment (otherwise the chain is left
+// to ggml and fattn_cudnn.cuh) until it is measured on a GPU. tests/unit/test_unet_fusions_patch.py asks the walk about the graph the
 // pinned ggml builds.
 #pragma once
 
@@ -174,10 +174,12 @@ bool sdfarm_cudnn_sdpa_rows_ready(int device, int64_t H, int64_t L, int64_t D, f
 bool sdfarm_cudnn_sdpa_rows(ggml_backend_cuda_context & ctx, const half * q, const half * k, const half * v,
                             int64_t H, int64_t L, int64_t D, float scale, float * dst);
 
+// Opt-in (SDFARM_ATTN_FUSED=1) until it has been measured on a GPU: its pixels and speed
+// against SDFARM_ATTN_FUSED=0 (bash bench/gpu_run.sh attnfuse).
 static bool sdfarm_attn_disabled() {
     static const bool off = [] {
         const char * v = getenv("SDFARM_ATTN_FUSED");
-        return v != nullptr && v[0] == '0';
+        return v == nullptr || v[0] != '1';
     }();
     return off;
 }
