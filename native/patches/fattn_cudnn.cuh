@@ -251,7 +251,7 @@ static bool sdfarm_cudnn_fattn(ggml_backend_cuda_context & ctx, ggml_tensor * ds
 
 // Self-attention of one image whose f16 Q, K and V are the to_q, to_k and to_v GEMMs' outputs:
 // L rows of H * D values each (ggml's [D, H, L] before stable-diffusion.cpp's permutes), as
-// linear_fused.cuh's attention fusion has them. The plan (built once per shape) exists.
+// attn_fused.cuh has them. The plan (built once per shape) exists.
 static bool sdfarm_sdpa_rows_plan(int device, int64_t H, int64_t L, int64_t D, float scale,
                                   cudnnHandle_t * h, const sdfarm_sdpa_plan ** plan) {
     if (!sdfarm_sdpa_on() || D % 8 != 0 || D < 8 || D > 128) {
