@@ -80,6 +80,7 @@
 #                                   # the farm (MPS) at N = 1, 2, 4 at 1024 x 4
 #   bash bench/gpu_run.sh attnfuse  # build here (+ the self-attention fusion); one engine with
 #                                   # and without it at 4 steps; the farm (N=8, MPS); the peer
+#   bash bench/gpu_run.sh attnquick # its first half: build, one engine with/without at 1024 x 4
 #   bash bench/gpu_run.sh fattn     # ggml's flash attention alone at the UNet's shapes, per
 #                                   # configuration of its head-size-64 kernel; torch's SDPA
 #
@@ -1182,6 +1183,16 @@ attnfuse() {
     peer_compiled 512 130 compiled-512-attn-lease
 }
 
+# attnquick: attnfuse's first half for a short lease: build here (not packed), then one engine
+# with and without the self-attention fusion at 1024 x 4 steps, pixels compared.
+attnquick() {
+    NOPACK=1 ensure_cudnn
+    local base="$CUDA_DIR:SDFARM_CUDNN=$SDFARM_CUDNN"
+    options attnq 80 --sizes 1024 --steps 4 --images 2 --variant "fused=$base,SDFARM_ATTN_FUSED=1" \
+        --variant "no-attn=$base,SDFARM_ATTN_FUSED=0" --variant "fused-again=$base,SDFARM_ATTN_FUSED=1" \
+        --variant "no-attn-again=$base,SDFARM_ATTN_FUSED=0"
+}
+
 # fattn: ggml's flash-attention op alone at the SD UNet's shapes (bench/fattn_bench.cpp),
 # ggml's configuration and FA_VARIANTS of its head-size-64 row (bench/fattn_variants.py),
 # alternating, each output compared with ggml's own; then PyTorch's SDPA at the same shapes.
@@ -1435,7 +1446,7 @@ peertwo() {
 case "$PHASE" in
     setup | bench1 | bench2) ;;
     cuda_recheck | cudafarm | overhead | speedbatch | gputests | cpu1024 | twogpu) ;;
-    features | tiling | peer | tilingpeer | decodefarm | lanes | extras | cudaopts | cudamore | vulkan | vkcheck | peerone | peertwo | peerthree | effprefetch | nextlease | chainlease | i2vmps | lookahead | profile | lookprofile | im2col2 | im2col4 | gnorm | gnormpeer | im2colvec | vecmore | effahead | cublas32 | effbacklog | cudnndebug | cudnnall | cudnnalone | cudnnwhy | cudnnfix | cudnnfarm | cudnnn8 | cudnndecode | peer512c | fattn | sdpa | sdpapeer | sdpatable | fuse | fusetable | fusepeer | fusemore | attnfuse) ;;
+    features | tiling | peer | tilingpeer | decodefarm | lanes | extras | cudaopts | cudamore | vulkan | vkcheck | peerone | peertwo | peerthree | effprefetch | nextlease | chainlease | i2vmps | lookahead | profile | lookprofile | im2col2 | im2col4 | gnorm | gnormpeer | im2colvec | vecmore | effahead | cublas32 | effbacklog | cudnndebug | cudnnall | cudnnalone | cudnnwhy | cudnnfix | cudnnfarm | cudnnn8 | cudnndecode | peer512c | fattn | sdpa | sdpapeer | sdpatable | fuse | fusetable | fusepeer | fusemore | attnfuse | attnquick) ;;
     *) echo "usage: bash bench/gpu_run.sh setup|bench1|bench2|cuda_recheck|cudafarm|overhead|speedbatch|gputests|cpu1024|twogpu|features|tiling|peer|tilingpeer|decodefarm|lanes|extras|cudaopts|cudamore|vulkan|vkcheck|peerone|peertwo|peerthree|effprefetch|nextlease|chainlease|i2vmps|lookahead|profile" >&2; exit 2 ;;
 esac
 set -o pipefail
