@@ -98,69 +98,31 @@ def before(path: str, anchor: str, text: str) -> Edit:
     return Edit(path, anchor, text + anchor)
 
 
-# The fused group norm is tried first in the graph loop's fusion block (GGML_CUDA_DISABLE_FUSION
-# skips it with the rest); sdfarm_group_norm_fuse returns the last node it computed, or -1.
-GN_FUSION = (
-    "                    if (node->op == GGML_OP_GROUP_NORM) {\n"
-    "                        const int sdfarm_last =\n"
-    "                            sdfarm_group_norm_fuse(*cuda_ctx, cgraph, i);\n"
-    "                        if (sdfarm_last > i) {\n"
-    "                            i = sdfarm_last;\n"
-    "                            continue;\n"
-    "                        }\n"
-    "                    }\n"
-)
+def fusion_hook(op: str, fuse: str) -> str:
+    """The graph loop's try of one of our fusions at a node of `op`, placed in its fusion block
+    (GGML_CUDA_DISABLE_FUSION skips it with the rest): `fuse` returns the index of the last
+    node it computed, or -1 when it launched nothing and ggml computes the node."""
+    return (
+        f"                    if (node->op == GGML_OP_{op}) {{\n"
+        "                        const int sdfarm_last =\n"
+        f"                            {fuse}(*cuda_ctx, cgraph, i);\n"
+        "                        if (sdfarm_last > i) {\n"
+        "                            i = sdfarm_last;\n"
+        "                            continue;\n"
+        "                        }\n"
+        "                    }\n"
+    )
 
-# A linear layer with its bias add and the GEGLU or residual add after it, likewise
-# (sdfarm_linear_fuse: the last node's index, or -1 where ggml would not take cuBLAS's f16 path).
-LINEAR_FUSION = (
-    "                    if (node->op == GGML_OP_MUL_MAT) {\n"
-    "                        const int sdfarm_last =\n"
-    "                            sdfarm_linear_fuse(*cuda_ctx, cgraph, i);\n"
-    "                        if (sdfarm_last > i) {\n"
-    "                            i = sdfarm_last;\n"
-    "                            continue;\n"
-    "                        }\n"
-    "                    }\n"
-)
 
-# A self-attention from to_q's product to the attention through cuDNN, likewise
-# (sdfarm_attn_fuse: the attention's index, or -1).
-ATTN_FUSION = (
-    "                    if (node->op == GGML_OP_MUL_MAT) {\n"
-    "                        const int sdfarm_last =\n"
-    "                            sdfarm_attn_fuse(*cuda_ctx, cgraph, i);\n"
-    "                        if (sdfarm_last > i) {\n"
-    "                            i = sdfarm_last;\n"
-    "                            continue;\n"
-    "                        }\n"
-    "                    }\n"
-)
-
-# A layer norm with its weight and bias, likewise (sdfarm_layer_norm_fuse: the bias add's index).
-LN_FUSION = (
-    "                    if (node->op == GGML_OP_NORM) {\n"
-    "                        const int sdfarm_last =\n"
-    "                            sdfarm_layer_norm_fuse(*cuda_ctx, cgraph, i);\n"
-    "                        if (sdfarm_last > i) {\n"
-    "                            i = sdfarm_last;\n"
-    "                            continue;\n"
-    "                        }\n"
-    "                    }\n"
-)
-
-# The convolution and its bias add, through cuDNN, likewise (sdfarm_conv2d_fuse: the add's index,
-# or -1 when cuDNN is off or refuses it).
-CONV_FUSION = (
-    "                    if (node->op == GGML_OP_CONV_2D) {\n"
-    "                        const int sdfarm_last =\n"
-    "                            sdfarm_conv2d_fuse(*cuda_ctx, cgraph, i);\n"
-    "                        if (sdfarm_last > i) {\n"
-    "                            i = sdfarm_last;\n"
-    "                            continue;\n"
-    "                        }\n"
-    "                    }\n"
-)
+# The fused group norm is tried first; the convolution with its bias add through cuDNN; a linear
+# layer with its bias add and the GEGLU or residual add after it (where ggml would take cuBLAS's
+# f16 path); a layer norm with its weight and bias; the self-attention from to_q's product to
+# the attention through cuDNN.
+GN_FUSION = fusion_hook("GROUP_NORM", "sdfarm_group_norm_fuse")
+CONV_FUSION = fusion_hook("CONV_2D", "sdfarm_conv2d_fuse")
+LINEAR_FUSION = fusion_hook("MUL_MAT", "sdfarm_linear_fuse")
+LN_FUSION = fusion_hook("NORM", "sdfarm_layer_norm_fuse")
+ATTN_FUSION = fusion_hook("MUL_MAT", "sdfarm_attn_fuse")
 
 PATCHES: tuple[Patch, ...] = (
     Patch(

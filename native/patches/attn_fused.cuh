@@ -22,7 +22,6 @@
 #pragma once
 
 #include <cstdint>
-#include <cstdlib>
 #include <cstring>
 
 #include "sdfarm_graph.cuh"
@@ -174,21 +173,14 @@ bool sdfarm_cudnn_sdpa_rows_ready(int device, int64_t H, int64_t L, int64_t D, f
 bool sdfarm_cudnn_sdpa_rows(ggml_backend_cuda_context & ctx, const half * q, const half * k, const half * v,
                             int64_t H, int64_t L, int64_t D, float scale, float * dst);
 
-// Opt-in (SDFARM_ATTN_FUSED=1) until it has been measured on a GPU: its pixels and speed
-// against SDFARM_ATTN_FUSED=0 (bash bench/gpu_run.sh attnfuse).
-static bool sdfarm_attn_disabled() {
-    static const bool off = [] {
-        const char * v = getenv("SDFARM_ATTN_FUSED");
-        return v == nullptr || v[0] != '1';
-    }();
-    return off;
-}
-
 // The self-attention whose to_q product is node i (sdfarm_attn_plan_at), tried by the graph
 // loop of ggml-cuda.cu. Returns the attention's index, whose tensor it wrote, or -1 (nothing
 // written to the graph; ggml computes node i on).
 int sdfarm_attn_fuse(ggml_backend_cuda_context & ctx, ggml_cgraph * cgraph, int i) {
-    if (sdfarm_attn_disabled()) {
+    // Opt-in (SDFARM_ATTN_FUSED=1) until it has been measured on a GPU: its pixels and speed
+    // against SDFARM_ATTN_FUSED=0 (bash bench/gpu_run.sh attnfuse).
+    static const bool off = sdfarm_env_first("SDFARM_ATTN_FUSED") != '1';
+    if (off) {
         return -1;
     }
     const sdfarm_attn_plan plan = sdfarm_attn_plan_at(cgraph, i);

@@ -13,7 +13,6 @@
 // tests/unit/test_unet_fusions_patch.py asks the walk about a graph the pinned ggml builds.
 #pragma once
 
-#include <cstdlib>
 
 #include "sdfarm_graph.cuh"
 
@@ -87,18 +86,11 @@ static __global__ void sdfarm_layer_norm_f32(const float * x, float * dst, const
     }
 }
 
-static bool sdfarm_layer_norm_disabled() {
-    static const bool off = [] {
-        const char * v = getenv("SDFARM_LAYER_NORM_FUSED");
-        return v != nullptr && v[0] == '0';
-    }();
-    return off;
-}
-
 // The layer norm at node i with its weight and bias (sdfarm_layer_norm_chain), tried by the
 // graph loop of ggml-cuda.cu. Returns the index of the bias add, whose tensor it wrote, or -1.
 int sdfarm_layer_norm_fuse(ggml_backend_cuda_context & ctx, ggml_cgraph * cgraph, int i) {
-    if (sdfarm_layer_norm_disabled()) {
+    static const bool off = sdfarm_env_first("SDFARM_LAYER_NORM_FUSED") == '0';
+    if (off) {
         return -1;
     }
     const int k = sdfarm_layer_norm_chain(cgraph, i);

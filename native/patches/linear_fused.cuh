@@ -26,7 +26,6 @@
 #pragma once
 
 #include <cstdint>
-#include <cstdlib>
 
 #include "sdfarm_graph.cuh"
 
@@ -321,19 +320,12 @@ static void sdfarm_cublas_f16_gemm(ggml_backend_cuda_context & ctx, const ggml_t
                               CUBLAS_GEMM_DEFAULT_TENSOR_OP));
 }
 
-static bool sdfarm_linear_disabled() {
-    static const bool off = [] {
-        const char * v = getenv("SDFARM_LINEAR_FUSED");
-        return v != nullptr && v[0] == '0';
-    }();
-    return off;
-}
-
 // The linear at node i and what follows it (sdfarm_linear_plan_at), tried by the graph loop of
 // ggml-cuda.cu where ggml would take ggml_cuda_op_mul_mat_cublas's f16 path. Returns the index
 // of the last node, whose tensor it wrote, or -1 (nothing launched; ggml computes node i).
 int sdfarm_linear_fuse(ggml_backend_cuda_context & ctx, ggml_cgraph * cgraph, int i) {
-    if (sdfarm_linear_disabled()) {
+    static const bool off = sdfarm_env_first("SDFARM_LINEAR_FUSED") == '0';
+    if (off) {
         return -1;
     }
     const sdfarm_linear_plan plan = sdfarm_linear_plan_at(cgraph, i);

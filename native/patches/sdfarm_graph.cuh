@@ -4,7 +4,16 @@
 // ggml-impl.h themselves.
 #pragma once
 
+#include <cstdlib>
+
 #if defined(__CUDACC__) || defined(SDFARM_HOST_GRAPH)
+// The first character of an environment variable, or 0 where it is unset or empty: our
+// patches' switches (each read once per process, into a static).
+static char sdfarm_env_first(const char * name) {
+    const char * v = getenv(name);
+    return v != nullptr ? v[0] : '\0';
+}
+
 // Whether a graph node computes nothing (the graph loop of ggml-cuda.cu skips these too).
 static bool sdfarm_computes_nothing(const ggml_tensor * t) {
     return ggml_is_empty(t) || t->op == GGML_OP_RESHAPE || t->op == GGML_OP_TRANSPOSE ||
