@@ -81,6 +81,7 @@
 #   bash bench/gpu_run.sh attnfuse  # build here (+ the self-attention fusion); one engine with
 #                                   # and without it at 4 steps; the farm (N=8, MPS); the peer
 #   bash bench/gpu_run.sh attnquick # its first half: build, one engine with/without at 1024 x 4
+#   bash bench/gpu_run.sh moreengines # fuse's build carried: the farm at N = 8, 12, 16 at 512
 #   bash bench/gpu_run.sh fattn     # ggml's flash attention alone at the UNet's shapes, per
 #                                   # configuration of its head-size-64 kernel; torch's SDPA
 #
@@ -1193,6 +1194,16 @@ attnquick() {
         --variant "no-attn-again=$base,SDFARM_ATTN_FUSED=0"
 }
 
+# moreengines: fuse's build carried: the farm under MPS at N = 8, 12, 16 at 512 x 4 and 1 step
+# (past the 8 measured so far; the scheduler still counts every engine and job).
+moreengines() {
+    ensure_cudnn
+    if mps_start; then
+        farm_cases fuse-mps-n81216 8,12,16 2 110 "512:4:30 512:1:40"
+        mps_stop
+    fi
+}
+
 # fattn: ggml's flash-attention op alone at the SD UNet's shapes (bench/fattn_bench.cpp),
 # ggml's configuration and FA_VARIANTS of its head-size-64 row (bench/fattn_variants.py),
 # alternating, each output compared with ggml's own; then PyTorch's SDPA at the same shapes.
@@ -1446,7 +1457,7 @@ peertwo() {
 case "$PHASE" in
     setup | bench1 | bench2) ;;
     cuda_recheck | cudafarm | overhead | speedbatch | gputests | cpu1024 | twogpu) ;;
-    features | tiling | peer | tilingpeer | decodefarm | lanes | extras | cudaopts | cudamore | vulkan | vkcheck | peerone | peertwo | peerthree | effprefetch | nextlease | chainlease | i2vmps | lookahead | profile | lookprofile | im2col2 | im2col4 | gnorm | gnormpeer | im2colvec | vecmore | effahead | cublas32 | effbacklog | cudnndebug | cudnnall | cudnnalone | cudnnwhy | cudnnfix | cudnnfarm | cudnnn8 | cudnndecode | peer512c | fattn | sdpa | sdpapeer | sdpatable | fuse | fusetable | fusepeer | fusemore | attnfuse | attnquick) ;;
+    features | tiling | peer | tilingpeer | decodefarm | lanes | extras | cudaopts | cudamore | vulkan | vkcheck | peerone | peertwo | peerthree | effprefetch | nextlease | chainlease | i2vmps | lookahead | profile | lookprofile | im2col2 | im2col4 | gnorm | gnormpeer | im2colvec | vecmore | effahead | cublas32 | effbacklog | cudnndebug | cudnnall | cudnnalone | cudnnwhy | cudnnfix | cudnnfarm | cudnnn8 | cudnndecode | peer512c | fattn | sdpa | sdpapeer | sdpatable | fuse | fusetable | fusepeer | fusemore | attnfuse | attnquick | moreengines) ;;
     *) echo "usage: bash bench/gpu_run.sh setup|bench1|bench2|cuda_recheck|cudafarm|overhead|speedbatch|gputests|cpu1024|twogpu|features|tiling|peer|tilingpeer|decodefarm|lanes|extras|cudaopts|cudamore|vulkan|vkcheck|peerone|peertwo|peerthree|effprefetch|nextlease|chainlease|i2vmps|lookahead|profile" >&2; exit 2 ;;
 esac
 set -o pipefail
