@@ -56,8 +56,9 @@ convolutions and attention (`sdpapeer`, `sdpatable`: docs/gpu.md's lead table) e
 16.20 / 14.81 at 512 x 4, 10.29-10.50 / 9.58 at 1024 x 1, 4.95-4.98 / 4.69 at 1024 x 4, for
 38.8 GiB of engines accounted against 19.4 (of 139). With the transformer's linear layers and
 layer norms fused too (lease I, `fusemore`), N = 1/2/4/8 at 1024 x 4 steps made 3.09/4.63/
-5.77/5.88-5.96: eight still the best, by 2-3%. `auto_engines` lowers it where fewer fit the
-device."""
+5.77/5.88-5.96: eight still the best, by 2-3%; twelve made +1% at 512 x 4 steps and +5% at
+512 x 1 step for half again the memory (lease J, `moreengines`). `auto_engines` lowers it
+where fewer fit the device."""
 
 
 def slot_index() -> int:
