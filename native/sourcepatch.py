@@ -81,6 +81,8 @@ GRAPH = "ggml/src/ggml-cuda/ggml-cuda.cu"
 CONV = "ggml/src/ggml-cuda/conv2d.cu"
 CONV_H = "ggml/src/ggml-cuda/conv2d.cuh"
 FATTN = "ggml/src/ggml-cuda/fattn.cu"
+# The first statement of ggml's own fusions in the graph loop: our hooks go before it.
+FUSION_BLOCK = "                    ggml_cuda_topk_moe_args args;\n"
 # ggml-cuda.cu's cuBLAS helpers, which the linear fusion calls, are defined above this line.
 LINEAR_ANCHOR = (
     "static void ggml_cuda_mul_mat(ggml_backend_cuda_context & ctx, const ggml_tensor * src0,"
@@ -190,7 +192,7 @@ PATCHES: tuple[Patch, ...] = (
                 "int sdfarm_conv2d_fuse("
                 "ggml_backend_cuda_context & ctx, ggml_cgraph * cgraph, int i);\n",
             ),
-            before(GRAPH, "                    ggml_cuda_topk_moe_args args;\n", CONV_FUSION),
+            before(GRAPH, FUSION_BLOCK, CONV_FUSION),
         ),
     ),
     Patch(
@@ -217,7 +219,7 @@ PATCHES: tuple[Patch, ...] = (
         },
         edits=(
             before(GRAPH, LINEAR_ANCHOR, '#include "ggml-cuda/linear_fused.cuh"\n\n'),
-            before(GRAPH, "                    ggml_cuda_topk_moe_args args;\n", LINEAR_FUSION),
+            before(GRAPH, FUSION_BLOCK, LINEAR_FUSION),
         ),
     ),
     Patch(
@@ -235,7 +237,7 @@ PATCHES: tuple[Patch, ...] = (
                 "\nint sdfarm_layer_norm_fuse(ggml_backend_cuda_context & ctx,"
                 " ggml_cgraph * cgraph, int i);\n",
             ),
-            before(GRAPH, "                    ggml_cuda_topk_moe_args args;\n", LN_FUSION),
+            before(GRAPH, FUSION_BLOCK, LN_FUSION),
         ),
     ),
     Patch(
@@ -251,7 +253,7 @@ PATCHES: tuple[Patch, ...] = (
                 '#include "ggml-cuda/linear_fused.cuh"\n',
                 '#include "ggml-cuda/attn_fused.cuh"\n',
             ),
-            before(GRAPH, "                    ggml_cuda_topk_moe_args args;\n", ATTN_FUSION),
+            before(GRAPH, FUSION_BLOCK, ATTN_FUSION),
         ),
     ),
 )
