@@ -79,7 +79,11 @@
 #   bash bench/gpu_run.sh fusemore  # fuse's build carried: one engine with/without at 1024 x 4;
 #                                   # the farm (MPS) at N = 1, 2, 4 at 1024 x 4
 #   bash bench/gpu_run.sh attnfuse  # build here (+ the self-attention fusion); one engine with
-#                                   # and without it at 4 steps; the farm (N=8, MPS); the peer
+#                                   # and without it at 4 steps; the farm (N=8, MPS) at 4 steps
+#   bash bench/gpu_run.sh attntable # attnfuse's build: the farm (N=8, MPS) at the four cases
+#   bash bench/gpu_run.sh attnpeer  # then the peer: eager b1, compiled b4 at 512 and 1024
+#   bash bench/gpu_run.sh attndefault # build here, the attention fusion on by default: one engine
+#                                   # with/without it; the farm (MPS) at 512 x 4, N = 8, 12
 #   bash bench/gpu_run.sh attnquick # its first half: build, one engine with/without at 1024 x 4
 #   bash bench/gpu_run.sh moreengines # fuse's build carried: the farm at N = 8, 12, 16 at 512
 #   bash bench/gpu_run.sh fattn     # ggml's flash attention alone at the UNet's shapes, per
@@ -1165,23 +1169,84 @@ fusemore() {
     fi
 }
 
-# attnfuse: build here (the self-attention fusion added: native/patches/attn_fused.cuh); one
-# engine with all fusions and without the attention's, at 512 and 1024 x 4 steps
-# (pixels compared); the farm under MPS at N = 8 at the four cases; the peer's eager batch 1
-# and compiled batch 4 at 512 with what is left.
+# attnfuse: build here (the self-attention fusion added: native/patches/attn_fused.cuh), packed
+# in the background; one engine with all fusions and without the attention's, at 512 and 1024 x
+# 4 steps (pixels compared); then the farm under MPS at N = 8 at the 4-step cases, with the
+# attention fusion only where the A/B found the same pixels and a faster image at both sizes.
 attnfuse() {
-    NOPACK=1 ensure_cudnn
+    PACK_LATER=1 ensure_cudnn
     local base="$CUDA_DIR:SDFARM_CUDNN=$SDFARM_CUDNN"
-    options attn4 90 --steps 4 --images 3 --variant "fused=$base,SDFARM_ATTN_FUSED=1" \
+    options attn4 110 --steps 4 --images 3 --variant "fused=$base,SDFARM_ATTN_FUSED=1" \
         --variant "no-attn=$base,SDFARM_ATTN_FUSED=0" --variant "fused-again=$base,SDFARM_ATTN_FUSED=1" \
         --variant "no-attn-again=$base,SDFARM_ATTN_FUSED=0"
-    export SDFARM_ATTN_FUSED=1
+    pack_wait
+    attn_verdict "$OUT/cuda/cuda-attn4-options.json"
     if mps_start; then
-        farm_cases attn-mps-n8 8 2 60 "1024:4:12 512:4:30 1024:1:16 512:1:40"
+        farm_cases attn-mps-n8 8 2 60 "512:4:30 1024:4:12"
         mps_stop
     fi
-    peer_eager attn-lease 1,4
-    peer_compiled 512 130 compiled-512-attn-lease
+}
+
+# attn_verdict OPTIONS_JSON: export SDFARM_ATTN_FUSED=1 when the A/B in OPTIONS_JSON has the
+# attention fusion's image identical to the one without it and faster at every size, else 0.
+attn_verdict() {
+    SDFARM_ATTN_FUSED=$($PY - "$1" <<'PY'
+import json, statistics, sys
+try:
+    rows = json.load(open(sys.argv[1]))["rows"]
+except (OSError, ValueError, KeyError):
+    print(0)
+    sys.exit()
+ok = bool(rows)
+for size in sorted({r.get("size") for r in rows}):
+    at = [r for r in rows if r.get("size") == size]
+    ms = {k: [r["s_per_image"] * 1000 for r in at if r["variant"].startswith(k) and "s_per_image" in r]
+          for k in ("fused", "no-attn")}
+    same = len({r.get("pixels") for r in at}) == 1 and all(ms.values())
+    faster = same and statistics.mean(ms["fused"]) < statistics.mean(ms["no-attn"])
+    print(f"{size}: same pixels {same}; ms/image {ms}", file=sys.stderr)
+    ok = ok and faster
+print(int(ok))
+PY
+)
+    export SDFARM_ATTN_FUSED
+    say "the attention fusion in the farm: SDFARM_ATTN_FUSED=$SDFARM_ATTN_FUSED"
+}
+
+# attntable: attnfuse's build (still here, or carried): the farm under MPS at N = 8 at the four
+# cases (the attention fusion as attnfuse's A/B decided, ATTN_AB naming it when it came back).
+attntable() {
+    ensure_cudnn
+    attn_verdict "${ATTN_AB:-$OUT/cuda/cuda-attn4-options.json}"
+    if mps_start; then
+        farm_cases "attn-mps-n8${ATTN_TAG:-all}" 8 2 60 "${ATTN_CASES:-512:1:40 1024:1:16 512:4:30 1024:4:12}"
+        mps_stop
+    fi
+}
+
+# attnpeer: right after attntable, in the same lease (no runtime needed, so it carries the
+# diffusers wheel instead): the peer's eager batch 1, then compiled batch 4 at 512 and at 1024.
+attnpeer() {
+    prep
+    mkdir -p "$OUT/cuda"
+    peer_eager attn-peer-lease 1,4
+    peer_compiled 512 150 compiled-512-attn-lease
+    peer_compiled 1024 200 compiled-1024-attn-lease
+}
+
+# attndefault: build here with the attention fusion on by default (not packed); one engine
+# with the default and with SDFARM_ATTN_FUSED=0 at 512 and 1024 x 4 steps (pixels compared);
+# the farm under MPS at 512 x 4 steps with N = 8 and 12.
+attndefault() {
+    NOPACK=1 ensure_cudnn
+    local base="$CUDA_DIR:SDFARM_CUDNN=$SDFARM_CUDNN"
+    options attndefault 80 --steps 4 --images 3 --variant "default=$base" \
+        --variant "attn-off=$base,SDFARM_ATTN_FUSED=0" --variant "default-again=$base" \
+        --variant "attn-off-again=$base,SDFARM_ATTN_FUSED=0"
+    if mps_start; then
+        farm_cases attn-default 8,12 2 100 "512:4:30"
+        mps_stop
+    fi
 }
 
 # attnquick: attnfuse's first half for a short lease: build here (not packed), then one engine
@@ -1457,7 +1522,7 @@ peertwo() {
 case "$PHASE" in
     setup | bench1 | bench2) ;;
     cuda_recheck | cudafarm | overhead | speedbatch | gputests | cpu1024 | twogpu) ;;
-    features | tiling | peer | tilingpeer | decodefarm | lanes | extras | cudaopts | cudamore | vulkan | vkcheck | peerone | peertwo | peerthree | effprefetch | nextlease | chainlease | i2vmps | lookahead | profile | lookprofile | im2col2 | im2col4 | gnorm | gnormpeer | im2colvec | vecmore | effahead | cublas32 | effbacklog | cudnndebug | cudnnall | cudnnalone | cudnnwhy | cudnnfix | cudnnfarm | cudnnn8 | cudnndecode | peer512c | fattn | sdpa | sdpapeer | sdpatable | fuse | fusetable | fusepeer | fusemore | attnfuse | attnquick | moreengines) ;;
+    features | tiling | peer | tilingpeer | decodefarm | lanes | extras | cudaopts | cudamore | vulkan | vkcheck | peerone | peertwo | peerthree | effprefetch | nextlease | chainlease | i2vmps | lookahead | profile | lookprofile | im2col2 | im2col4 | gnorm | gnormpeer | im2colvec | vecmore | effahead | cublas32 | effbacklog | cudnndebug | cudnnall | cudnnalone | cudnnwhy | cudnnfix | cudnnfarm | cudnnn8 | cudnndecode | peer512c | fattn | sdpa | sdpapeer | sdpatable | fuse | fusetable | fusepeer | fusemore | attnfuse | attntable | attnpeer | attndefault | attnquick | moreengines) ;;
     *) echo "usage: bash bench/gpu_run.sh setup|bench1|bench2|cuda_recheck|cudafarm|overhead|speedbatch|gputests|cpu1024|twogpu|features|tiling|peer|tilingpeer|decodefarm|lanes|extras|cudaopts|cudamore|vulkan|vkcheck|peerone|peertwo|peerthree|effprefetch|nextlease|chainlease|i2vmps|lookahead|profile" >&2; exit 2 ;;
 esac
 set -o pipefail
