@@ -39,7 +39,8 @@ Seven patches, all CUDA only:
 - the self-attention fused (`patches/attn_fused.cuh`): the input converted once, ggml's three
   cuBLAS calls (to_q, to_k, to_v) into f16 buffers that cuDNN's SDPA reads in place, instead
   of f32 products, three permuted copies and three conversions back to f16. Only where the
-  attention goes to cuDNN, and opt-in (`SDFARM_ATTN_FUSED=1`) until measured on a GPU.
+  attention goes to cuDNN; the same pixels, and 19.9 images/s at 512 x 4 steps with eight
+  engines on an H200 instead of 18.6-18.7. `SDFARM_ATTN_FUSED=0` off.
 """
 
 from __future__ import annotations
