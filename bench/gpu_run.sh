@@ -1175,16 +1175,23 @@ fusemore() {
 # attention fusion only where the A/B found the same pixels and a faster image at both sizes.
 attnfuse() {
     PACK_LATER=1 ensure_cudnn
-    local base="$CUDA_DIR:SDFARM_CUDNN=$SDFARM_CUDNN"
-    options attn4 110 --steps 4 --images 3 --variant "fused=$base,SDFARM_ATTN_FUSED=1" \
-        --variant "no-attn=$base,SDFARM_ATTN_FUSED=0" --variant "fused-again=$base,SDFARM_ATTN_FUSED=1" \
-        --variant "no-attn-again=$base,SDFARM_ATTN_FUSED=0"
+    attn_ab attn4 110 ,SDFARM_ATTN_FUSED=1 fused no-attn --images 3
     pack_wait
     attn_verdict "$OUT/cuda/cuda-attn4-options.json"
     if mps_start; then
         farm_cases attn-mps-n8 8 2 60 "512:4:30 1024:4:12"
         mps_stop
     fi
+}
+
+# attn_ab NAME BUDGET ON ON_NAME OFF_NAME ARGS...: one engine with the self-attention fusion
+# (SDFARM_CUDNN and ON added to the environment) and with SDFARM_ATTN_FUSED=0, twice each,
+# alternating, at 4 steps (options' sizes unless ARGS name them) into cuda-NAME-options.json.
+attn_ab() {
+    local name=$1 budget=$2 on=$3 yes=$4 no=$5; shift 5
+    local base="$CUDA_DIR:SDFARM_CUDNN=$SDFARM_CUDNN" off=",SDFARM_ATTN_FUSED=0"
+    options "$name" "$budget" --steps 4 "$@" --variant "$yes=$base$on" --variant "$no=$base$off" \
+        --variant "$yes-again=$base$on" --variant "$no-again=$base$off"
 }
 
 # attn_verdict OPTIONS_JSON: export SDFARM_ATTN_FUSED=1 when the A/B in OPTIONS_JSON has the
@@ -1239,10 +1246,7 @@ attnpeer() {
 # the farm under MPS at 512 x 4 steps with N = 8 and 12.
 attndefault() {
     NOPACK=1 ensure_cudnn
-    local base="$CUDA_DIR:SDFARM_CUDNN=$SDFARM_CUDNN"
-    options attndefault 80 --steps 4 --images 3 --variant "default=$base" \
-        --variant "attn-off=$base,SDFARM_ATTN_FUSED=0" --variant "default-again=$base" \
-        --variant "attn-off-again=$base,SDFARM_ATTN_FUSED=0"
+    attn_ab attndefault 80 "" default attn-off --images 3
     if mps_start; then
         farm_cases attn-default 8,12 2 100 "512:4:30"
         mps_stop
@@ -1253,10 +1257,7 @@ attndefault() {
 # with and without the self-attention fusion at 1024 x 4 steps, pixels compared.
 attnquick() {
     NOPACK=1 ensure_cudnn
-    local base="$CUDA_DIR:SDFARM_CUDNN=$SDFARM_CUDNN"
-    options attnq 80 --sizes 1024 --steps 4 --images 2 --variant "fused=$base,SDFARM_ATTN_FUSED=1" \
-        --variant "no-attn=$base,SDFARM_ATTN_FUSED=0" --variant "fused-again=$base,SDFARM_ATTN_FUSED=1" \
-        --variant "no-attn-again=$base,SDFARM_ATTN_FUSED=0"
+    attn_ab attnq 80 ,SDFARM_ATTN_FUSED=1 fused no-attn --sizes 1024 --images 2
 }
 
 # moreengines: fuse's build carried: the farm under MPS at N = 8, 12, 16 at 512 x 4 and 1 step
