@@ -6,7 +6,17 @@ exactly once fails the build by name, so a different source can never be half-pa
 build's cache key includes the patches that apply, so a changed patch is a new build, and a
 backend no patch touches keeps its key.
 
-Seven patches, all CUDA only:
+Eight patches. One applies to every backend (the last of `PATCHES`):
+- a job's images sampled together (`patches/batch_sample.hpp`): the runtime samples a job's
+  batch_count images one after another, each step of each image its own UNet call; with it a
+  UNet model's images go through each step in one call (their latents on ggml's batch axis),
+  each image still the one its seed makes alone (its own generators for the starting and the
+  sampler's noise; the same pixels on the CPU). It also lets the UNet's flash attention
+  return every image's heads, where the pinned source kept the first image's only (nothing
+  sent it a batch). Text to image only, without previews, step caches or a hires pass;
+  `SDFARM_BATCH_SAMPLING=0` samples one by one.
+
+The other seven are CUDA only:
 - a tiled im2col (`patches/im2col_tiled.cuh`): the same values at the same places, read along
   the input rows. On an H200 ggml's kernel was 186 of the 274 ms of a 1024x1024 VAE decode; with
   the tiled one a 1024x1024 image takes 281-284 ms instead of 438-443, the same pixels
@@ -82,6 +92,22 @@ GRAPH = "ggml/src/ggml-cuda/ggml-cuda.cu"
 CONV = "ggml/src/ggml-cuda/conv2d.cu"
 CONV_H = "ggml/src/ggml-cuda/conv2d.cuh"
 FATTN = "ggml/src/ggml-cuda/fattn.cu"
+SD = "src/stable-diffusion.cpp"
+GENERATE_IMAGE = (
+    "SD_API sd_image_t* generate_image(sd_ctx_t* sd_ctx,"
+    " const sd_img_gen_params_t* sd_img_gen_params) {\n"
+)
+SD_EXT = "src/ggml_extend.hpp"
+# The flash-attention path's view of its output keeps the first image's heads only: right for
+# the one image the runtime ever sends through a UNet call, wrong for a batch.
+FLASH_VIEW = (
+    "                kqv = ggml_view_3d(ctx, kqv, d_head, n_head, L_q,"
+    " kqv->nb[1], kqv->nb[2], 0);\n"
+)
+SAMPLE_LOOP = (
+    "    int64_t denoise_start = ggml_time_ms();\n"
+    "    for (int b = 0; b < request.batch_count; b++) {\n"
+)
 # The first statement of ggml's own fusions in the graph loop: our hooks go before it.
 FUSION_BLOCK = "                    ggml_cuda_topk_moe_args args;\n"
 # ggml-cuda.cu's cuBLAS helpers, which the linear fusion calls, are defined above this line.
@@ -255,6 +281,42 @@ PATCHES: tuple[Patch, ...] = (
                 '#include "ggml-cuda/attn_fused.cuh"\n',
             ),
             before(GRAPH, FUSION_BLOCK, ATTN_FUSION),
+        ),
+    ),
+    Patch(
+        name="sd-batch-sampling",
+        backends=frozenset({"cpu", "cuda", "vulkan", "metal"}),
+        adds={"src/sdfarm_batch_sample.hpp": "batch_sample.hpp"},
+        edits=(
+            before(SD, GENERATE_IMAGE, '#include "sdfarm_batch_sample.hpp"\n\n'),
+            Edit(
+                SD_EXT,
+                FLASH_VIEW,
+                "                if (N == 1) {\n"
+                "    "
+                + FLASH_VIEW
+                + "                } else {  // sdfarm: [d_head, n_head * N, L_q]"
+                " -> [N, L_q, n_head, d_head]\n"
+                "                    kqv = ggml_reshape_4d(ctx, kqv, d_head, n_head, N, L_q);\n"
+                "                    kqv = ggml_permute(ctx, kqv, 0, 1, 3, 2);\n"
+                "                }\n",
+            ),
+            Edit(
+                SD,
+                SAMPLE_LOOP,
+                "    int64_t denoise_start = ggml_time_ms();\n"
+                "    const int sdfarm_batched = sdfarm_batch_sample(\n"
+                "        sd_ctx, sd_img_gen_params, request, plan, latents, embeds,"
+                " final_latents);\n"
+                "    if (sdfarm_batched < 0) {\n"
+                "        if (sd_ctx->sd->free_params_immediately) {\n"
+                "            sd_ctx->sd->diffusion_model->free_params_buffer();\n"
+                "        }\n"
+                "        return nullptr;\n"
+                "    }\n"
+                "    for (int b = sdfarm_batched ? request.batch_count : 0;"
+                " b < request.batch_count; b++) {\n",
+            ),
         ),
     ),
 )

@@ -152,7 +152,9 @@ def test_a_source_the_patch_does_not_fit_is_refused_by_name(tmp_path: Path) -> N
 
 
 @pytest.mark.parametrize("backend", ["cpu", "vulkan", "metal"])
-def test_only_cuda_builds_are_patched(backend: str) -> None:
-    assert sourcepatch.for_backend(backend) == []
+def test_other_builds_get_only_the_batch_sampling_patch(backend: str) -> None:
+    assert [p.name for p in sourcepatch.for_backend(backend)] == ["sd-batch-sampling"]
     assert sourcepatch.patch_id([]) == ""
-    assert sourcepatch.patch_id(sourcepatch.for_backend("cuda")) != ""
+    assert sourcepatch.patch_id(sourcepatch.for_backend("cuda")) != sourcepatch.patch_id(
+        sourcepatch.for_backend(backend)
+    )
