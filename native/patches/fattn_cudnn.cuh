@@ -61,6 +61,43 @@ static bool sdfarm_sdpa_eligible(const sdfarm_sdpa_shape & s) {
            s.kv_matches && s.d % 8 == 0 && s.d >= 8 && s.d <= 128 && s.kv_heads == s.heads && s.q_len >= 1 &&
            s.kv_len >= 1 && s.batch >= 1;
 }
+
+// An attention as cuDNN's SDPA sees it: Q [B, H, Sq, D], K and V [B, H, Skv, D], O [B, H, Sq,
+// D], each with its element strides of batch, head and row (D's stride is 1). The plan of a
+// shape is keyed by all of it, the output's strides included (two layouts reach it: ggml's
+// [D, H, Sq, B] and the batched self-attention's, below).
+struct sdfarm_sdpa_dims {
+    int64_t B, H, Sq, Skv, D;
+    int64_t q[3], k[3], v[3], o[3];  // batch, head, row
+};
+
+// A FLASH_ATTN_EXT node that sdfarm_sdpa_eligible takes: Q as our contiguous f16 copy of it
+// ([D, Sq, H, B]), K and V where ggml keeps them, O in ggml's output order [D, H, Sq, B].
+static sdfarm_sdpa_dims sdfarm_sdpa_dims_of(const ggml_tensor * dst) {
+    const ggml_tensor * Q = dst->src[0];
+    const ggml_tensor * K = dst->src[1];
+    const ggml_tensor * V = dst->src[2];
+    const int64_t D = Q->ne[0], Sq = Q->ne[1], H = Q->ne[2];
+    const int64_t ks = (int64_t) ggml_type_size(K->type), vs = (int64_t) ggml_type_size(V->type);
+    return {Q->ne[3], H, Sq, K->ne[1], D,
+            {H * Sq * D, Sq * D, D},
+            {(int64_t) K->nb[3] / ks, (int64_t) K->nb[2] / ks, (int64_t) K->nb[1] / ks},
+            {(int64_t) V->nb[3] / vs, (int64_t) V->nb[2] / vs, (int64_t) V->nb[1] / vs},
+            {Sq * H * D, D, H * D}};
+}
+
+// The self-attention of B images whose Q, K and V are to_q's, to_k's and to_v's products
+// (attn_fused.cuh): each [H * D, L * B], image b's L rows of H * D values a block. O is
+// written where ggml's FLASH_ATTN_EXT node has it: with stable-diffusion.cpp's Q of
+// [D, L, H * B] (`images_in_heads`: ggml_ext_attention_ext folds the images into the heads,
+// head h of image b being head h + H * b) the node is [D, H * B, L], so a row of O holds every
+// image's heads; with a Q of [D, L, H, B] it is [D, H, L, B]. One image: both are [D, H, L].
+static sdfarm_sdpa_dims sdfarm_sdpa_rows_dims(int64_t B, int64_t H, int64_t L, int64_t D, bool images_in_heads) {
+    const int64_t C = H * D;
+    const int64_t ob = images_in_heads && B > 1 ? C : L * C;
+    const int64_t os = images_in_heads && B > 1 ? B * C : C;
+    return {B, H, L, L, D, {L * C, D, C}, {L * C, D, C}, {L * C, D, C}, {ob, D, os}};
+}
 #endif
 
 #if defined(__CUDACC__) && defined(SDFARM_CUDNN_SDPA)
@@ -68,6 +105,7 @@ static bool sdfarm_sdpa_eligible(const sdfarm_sdpa_shape & s) {
 #include <cudnn_frontend.h>
 #include <dlfcn.h>
 
+#include <array>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -115,10 +153,18 @@ struct sdfarm_sdpa_plan {
     int64_t workspace = 0;
 };
 
-// (device, B, H, Sq, Skv, D, Q's, K's and V's element strides of batch, head and row, the scale)
-typedef std::tuple<int, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
-                   int64_t, int64_t, int64_t, int64_t, uint32_t>
-    sdfarm_sdpa_key;
+// (device, B, H, Sq, Skv, D, Q's, K's, V's and O's element strides of batch, head and row, the
+// scale's bits)
+typedef std::tuple<int, std::array<int64_t, 17>, uint32_t> sdfarm_sdpa_key;
+
+static sdfarm_sdpa_key sdfarm_sdpa_key_of(int device, const sdfarm_sdpa_dims & s, float scale) {
+    uint32_t scale_bits;
+    memcpy(&scale_bits, &scale, sizeof(scale_bits));
+    return {device,
+            {s.B, s.H, s.Sq, s.Skv, s.D, s.q[0], s.q[1], s.q[2], s.k[0], s.k[1], s.k[2], s.v[0], s.v[1], s.v[2],
+             s.o[0], s.o[1], s.o[2]},
+            scale_bits};
+}
 
 static cudnnHandle_t sdfarm_sdpa_handle(int device) {
     static std::mutex mu;
@@ -139,17 +185,17 @@ static cudnnHandle_t sdfarm_sdpa_handle(int device) {
 }
 
 // The built graph of a shape, made once per shape and device (nullptr graph if refused).
-static const sdfarm_sdpa_plan & sdfarm_sdpa_plan_for(cudnnHandle_t h, const sdfarm_sdpa_key & key, float scale) {
+static const sdfarm_sdpa_plan & sdfarm_sdpa_plan_for(cudnnHandle_t h, int device, const sdfarm_sdpa_dims & s,
+                                                     float scale) {
     static std::mutex mu;
     static std::map<sdfarm_sdpa_key, sdfarm_sdpa_plan> plans;
+    const sdfarm_sdpa_key key = sdfarm_sdpa_key_of(device, s, scale);
     std::lock_guard<std::mutex> lock(mu);
     auto it = plans.find(key);
     if (it != plans.end()) {
         return it->second;
     }
-    const auto [device, B, H, Sq, Skv, D, qb, qh, qs, kb, kh, ks, vb, vh, vs, scale_bits] = key;
-    (void) device;
-    (void) scale_bits;
+    const int64_t B = s.B, H = s.H, Sq = s.Sq, Skv = s.Skv, D = s.D;
     sdfarm_sdpa_plan plan;
     try {
         auto g = std::make_shared<sdfarm_fe::graph::Graph>();
@@ -158,15 +204,18 @@ static const sdfarm_sdpa_plan & sdfarm_sdpa_plan_for(cudnnHandle_t h, const sdfa
             .set_compute_data_type(sdfarm_fe::DataType_t::FLOAT);
         using T = sdfarm_fe::graph::Tensor_attributes;
         // Q: our contiguous f16 copy in ggml's [D, Sq, H, B] order, or the to_q GEMM's rows
-        auto q = g->tensor(T().set_name("Q").set_uid(SDFARM_SDPA_Q).set_dim({B, H, Sq, D}).set_stride({qb, qh, qs, 1}));
-        auto k = g->tensor(T().set_name("K").set_uid(SDFARM_SDPA_K).set_dim({B, H, Skv, D}).set_stride({kb, kh, ks, 1}));
-        auto v = g->tensor(T().set_name("V").set_uid(SDFARM_SDPA_V).set_dim({B, H, Skv, D}).set_stride({vb, vh, vs, 1}));
+        auto q = g->tensor(
+            T().set_name("Q").set_uid(SDFARM_SDPA_Q).set_dim({B, H, Sq, D}).set_stride({s.q[0], s.q[1], s.q[2], 1}));
+        auto k = g->tensor(
+            T().set_name("K").set_uid(SDFARM_SDPA_K).set_dim({B, H, Skv, D}).set_stride({s.k[0], s.k[1], s.k[2], 1}));
+        auto v = g->tensor(
+            T().set_name("V").set_uid(SDFARM_SDPA_V).set_dim({B, H, Skv, D}).set_stride({s.v[0], s.v[1], s.v[2], 1}));
         auto opts = sdfarm_fe::graph::SDPA_attributes().set_name("sdfarm_sdpa").set_generate_stats(false).set_attn_scale(
             scale);
         auto [o, stats] = g->sdpa(q, k, v, opts);
         (void) stats;
-        // O in ggml's FLASH_ATTN_EXT output order, [D, H, Sq, B]
-        o->set_output(true).set_uid(SDFARM_SDPA_O).set_dim({B, H, Sq, D}).set_stride({Sq * H * D, D, H * D, 1});
+        // O where ggml's FLASH_ATTN_EXT node has it (sdfarm_sdpa_dims_of, sdfarm_sdpa_rows_dims)
+        o->set_output(true).set_uid(SDFARM_SDPA_O).set_dim({B, H, Sq, D}).set_stride({s.o[0], s.o[1], s.o[2], 1});
         auto st = g->build(h, {sdfarm_fe::HeurMode_t::A});
         if (!st.is_good()) {
             sdfarm_sdpa_fail(st.get_message());
@@ -225,14 +274,7 @@ static bool sdfarm_cudnn_fattn(ggml_backend_cuda_context & ctx, ggml_tensor * ds
     if (h == nullptr) {
         return false;
     }
-    uint32_t scale_bits;
-    memcpy(&scale_bits, &s.scale, sizeof(scale_bits));
-    const int64_t es = 2;  // f16
-    const int64_t qb = s.heads * s.q_len * s.d, qh = s.q_len * s.d;  // our contiguous f16 copy of Q
-    const sdfarm_sdpa_key key{ctx.device, s.batch, s.heads, s.q_len, s.kv_len, s.d, qb, qh, s.d,
-                              (int64_t) K->nb[3] / es, (int64_t) K->nb[2] / es, (int64_t) K->nb[1] / es,
-                              (int64_t) V->nb[3] / es, (int64_t) V->nb[2] / es, (int64_t) V->nb[1] / es, scale_bits};
-    const sdfarm_sdpa_plan & plan = sdfarm_sdpa_plan_for(h, key, s.scale);
+    const sdfarm_sdpa_plan & plan = sdfarm_sdpa_plan_for(h, ctx.device, sdfarm_sdpa_dims_of(dst), s.scale);
     if (plan.graph == nullptr) {
         return false;
     }
@@ -249,53 +291,52 @@ static bool sdfarm_cudnn_fattn(ggml_backend_cuda_context & ctx, ggml_tensor * ds
                                ggml_nelements(dst));
 }
 
-// Self-attention of one image whose f16 Q, K and V are the to_q, to_k and to_v GEMMs' outputs:
-// L rows of H * D values each (ggml's [D, H, L] before stable-diffusion.cpp's permutes), as
-// attn_fused.cuh has them. The plan (built once per shape) exists.
-static bool sdfarm_sdpa_rows_plan(int device, int64_t H, int64_t L, int64_t D, float scale,
-                                  cudnnHandle_t * h, const sdfarm_sdpa_plan ** plan) {
-    if (!sdfarm_sdpa_on() || D % 8 != 0 || D < 8 || D > 128) {
+// Self-attention of B images whose f16 Q, K and V are the to_q, to_k and to_v GEMMs' outputs:
+// L rows of H * D values per image (ggml's [D, H, L, B] before stable-diffusion.cpp's
+// permutes), as attn_fused.cuh has them; O where the FLASH_ATTN_EXT node has it
+// (sdfarm_sdpa_rows_dims). The plan (built once per shape) exists.
+static bool sdfarm_sdpa_rows_plan(int device, int64_t B, int64_t H, int64_t L, int64_t D, bool images_in_heads,
+                                  float scale, cudnnHandle_t * h, const sdfarm_sdpa_plan ** plan) {
+    if (!sdfarm_sdpa_on() || D % 8 != 0 || D < 8 || D > 128 || B < 1) {
         return false;
     }
     *h = sdfarm_sdpa_handle(device);
     if (*h == nullptr) {
         return false;
     }
-    uint32_t scale_bits;
-    memcpy(&scale_bits, &scale, sizeof(scale_bits));
-    const int64_t C = H * D;
-    const sdfarm_sdpa_key key{device, 1, H, L, L, D, L * C, D, C, L * C, D, C, L * C, D, C, scale_bits};
-    *plan = &sdfarm_sdpa_plan_for(*h, key, scale);
+    *plan = &sdfarm_sdpa_plan_for(*h, device, sdfarm_sdpa_rows_dims(B, H, L, D, images_in_heads), scale);
     return (*plan)->graph != nullptr;
 }
 
-bool sdfarm_cudnn_sdpa_rows_ready(int device, int64_t H, int64_t L, int64_t D, float scale) {
+bool sdfarm_cudnn_sdpa_rows_ready(int device, int64_t B, int64_t H, int64_t L, int64_t D, bool images_in_heads,
+                                  float scale) {
     cudnnHandle_t h;
     const sdfarm_sdpa_plan * plan;
-    return sdfarm_sdpa_rows_plan(device, H, L, D, scale, &h, &plan);
+    return sdfarm_sdpa_rows_plan(device, B, H, L, D, images_in_heads, scale, &h, &plan);
 }
 
-// dst: ggml's FLASH_ATTN_EXT output, f32 [D, H, L].
+// dst: ggml's FLASH_ATTN_EXT output, f32, B * H * L * D values (sdfarm_sdpa_rows_dims' order).
 bool sdfarm_cudnn_sdpa_rows(ggml_backend_cuda_context & ctx, const half * q, const half * k, const half * v,
-                            int64_t H, int64_t L, int64_t D, float scale, float * dst) {
+                            int64_t B, int64_t H, int64_t L, int64_t D, bool images_in_heads, float scale,
+                            float * dst) {
     cudnnHandle_t h;
     const sdfarm_sdpa_plan * plan;
-    if (!sdfarm_sdpa_rows_plan(ctx.device, H, L, D, scale, &h, &plan)) {
+    if (!sdfarm_sdpa_rows_plan(ctx.device, B, H, L, D, images_in_heads, scale, &h, &plan)) {
         return false;
     }
-    return sdfarm_sdpa_execute(ctx, h, *plan, q, k, v, dst, H * L * D);
+    return sdfarm_sdpa_execute(ctx, h, *plan, q, k, v, dst, B * H * L * D);
 }
 #elif defined(__CUDACC__)
 static bool sdfarm_cudnn_fattn(ggml_backend_cuda_context &, ggml_tensor *) {
     return false;  // built without cuDNN's headers
 }
 
-bool sdfarm_cudnn_sdpa_rows_ready(int, int64_t, int64_t, int64_t, float) {
+bool sdfarm_cudnn_sdpa_rows_ready(int, int64_t, int64_t, int64_t, int64_t, bool, float) {
     return false;
 }
 
 bool sdfarm_cudnn_sdpa_rows(ggml_backend_cuda_context &, const half *, const half *, const half *, int64_t, int64_t,
-                            int64_t, float, float *) {
+                            int64_t, int64_t, bool, float, float *) {
     return false;
 }
 #endif

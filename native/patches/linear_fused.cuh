@@ -20,6 +20,12 @@
 // them), so the values are ggml's. Nothing in between is written: the chain's other nodes
 // are read by no one else (sdfarm_one_use), which the graph walk checks.
 //
+// A batch of images (the UNet's [C, L, N] in its transformer blocks) is the same: its input is
+// contiguous, so the chain's tensors are [width, L * N] rows like one image's. The product is
+// the one ggml would make for that node: where the input has more than one image ggml does not
+// take ggml_cuda_op_mul_mat_cublas but ggml_cuda_mul_mat_batched_cublas (one GEMM of L columns
+// per image through cublasGemmBatchedEx), and so does this, argument for argument.
+//
 // SDFARM_LINEAR_FUSED=0 in a process's environment leaves every linear to ggml.
 // tests/unit/test_unet_fusions_patch.py asks the walk about graphs the pinned ggml builds the
 // way stable-diffusion.cpp builds them.
@@ -157,8 +163,9 @@ static int sdfarm_linear_residual(const ggml_cgraph * cgraph, int j, const ggml_
     return k;
 }
 
-// What to fuse at node i: a MUL_MAT of f16 weights by a contiguous f32 matrix whose result
-// only its bias add reads, then GEGLU, or a residual add, or nothing more.
+// What to fuse at node i: a MUL_MAT of f16 weights by a contiguous f32 input (one image's
+// [k, L] or a batch's [k, L, N]: rows of k values either way) whose result only its bias add
+// reads, then GEGLU, or a residual add, or nothing more.
 static sdfarm_linear_plan sdfarm_linear_plan_at(const ggml_cgraph * cgraph, int i) {
     sdfarm_linear_plan plan;
     const ggml_tensor * mm = cgraph->nodes[i];
@@ -168,7 +175,8 @@ static sdfarm_linear_plan sdfarm_linear_plan_at(const ggml_cgraph * cgraph, int 
     const ggml_tensor * w = mm->src[0];
     const ggml_tensor * x = mm->src[1];
     if (w->type != GGML_TYPE_F16 || !ggml_is_contiguous(w) || w->ne[2] != 1 || w->ne[3] != 1 ||
-        !sdfarm_linear_f32_contiguous(x) || x->ne[2] != 1 || x->ne[3] != 1 || !sdfarm_linear_f32_contiguous(mm) ||
+        !sdfarm_linear_f32_contiguous(x) || !sdfarm_linear_f32_contiguous(mm) || mm->ne[0] != w->ne[1] ||
+        mm->ne[1] != x->ne[1] || mm->ne[2] != x->ne[2] || mm->ne[3] != x->ne[3] ||
         mm->op_params[0] != GGML_PREC_DEFAULT) {
         return plan;
     }
@@ -193,6 +201,20 @@ static sdfarm_linear_plan sdfarm_linear_plan_at(const ggml_cgraph * cgraph, int 
     plan.kind = SDFARM_LINEAR_BIAS;
     plan.last = j;
     return plan;
+}
+
+// The product's shape for the fused pass: m = the weights' rows (the width of a row of the
+// product), `columns` = an image's rows of the input (x's ne[1], what ggml decides its kernel
+// by), `images` = x's ne[2] * ne[3]. The chain's tensors are contiguous, so they are
+// columns * images rows of m values (2 * (m / 2) for GEGLU's halves).
+struct sdfarm_linear_rows {
+    int64_t k, m, columns, images;
+};
+
+static sdfarm_linear_rows sdfarm_linear_rows_of(const ggml_tensor * mm) {
+    const ggml_tensor * w = mm->src[0];
+    const ggml_tensor * x = mm->src[1];
+    return {w->ne[0], w->ne[1], x->ne[1], x->ne[2] * x->ne[3]};
 }
 #endif
 
@@ -295,8 +317,11 @@ static void sdfarm_linear_epilogue_launch(const half * c, const float * b, const
     CUDA_CHECK(cudaGetLastError());
 }
 
-// Whether ggml_cuda_mul_mat would multiply f16 weights w by n columns through
-// ggml_cuda_op_mul_mat_cublas's f16 path (f16 product, CUBLAS_COMPUTE_16F).
+// Whether ggml_cuda_mul_mat would multiply f16 weights w by an input of n columns (its ne[1];
+// per image) through cuBLAS with an f16 product (CUBLAS_COMPUTE_16F): ggml_cuda_op_mul_mat_cublas's
+// f16 path for one image, ggml_cuda_mul_mat_batched_cublas's for more (the same tests: neither
+// mmvf nor mmf for n, f16 fast on this NVIDIA GPU, not Volta, no forced f32 compute, weights not
+// split).
 static bool sdfarm_cublas_f16_path(ggml_backend_cuda_context & ctx, const ggml_tensor * w, int64_t n) {
     const int cc = ggml_cuda_info().devices[ctx.device].cc;
     const int warp_size = ggml_cuda_info().devices[ctx.device].warp_size;
@@ -320,6 +345,42 @@ static void sdfarm_cublas_f16_gemm(ggml_backend_cuda_context & ctx, const ggml_t
                               CUBLAS_GEMM_DEFAULT_TENSOR_OP));
 }
 
+// The same for `images` inputs of n columns each, one after another in x ([k, n * images]) and
+// c ([m, n * images]): the cuBLAS call ggml_cuda_mul_mat_batched_cublas_impl<GGML_TYPE_F16>
+// makes for a 2-d f16 weight and a contiguous f32 [k, n, images] input converted to f16 (its
+// broadcast branch, cublasGemmBatchedEx over pointers that k_compute_batched_ptrs computes;
+// ne12 = images, ne13 = 1, r2 = images), argument for argument, so the same values as ggml's
+// node. One image is sdfarm_cublas_f16_gemm (ggml takes ggml_cuda_op_mul_mat_cublas then).
+static void sdfarm_cublas_f16_gemm_images(ggml_backend_cuda_context & ctx, const ggml_tensor * w, const half * x,
+                                          half * c, int64_t n, int64_t images, cudaStream_t stream) {
+    if (images == 1) {
+        sdfarm_cublas_f16_gemm(ctx, w, x, c, n, stream);
+        return;
+    }
+    using traits = batched_mul_mat_traits<GGML_TYPE_F16>;
+    const int64_t k = w->ne[0];
+    const int64_t m = w->ne[1];
+    const int64_t ne12 = images, ne13 = 1, ne23 = ne12 * ne13;
+    ggml_cuda_pool_alloc<const void *> ptrs_src(ctx.pool(), 2 * ne23);
+    ggml_cuda_pool_alloc<void *> ptrs_dst(ctx.pool(), 1 * ne23);
+    const int threads_x = 16;
+    const int threads_y = 16;
+    const dim3 block_dims(threads_x, threads_y);
+    const dim3 grid_dims((ne13 + threads_x - 1) / threads_x, (ne12 + threads_y - 1) / threads_y);
+    const size_t nb12 = (size_t) (n * k) * sizeof(half);  // s12 * sizeof(half) after the conversion
+    const size_t nbd2 = (size_t) (m * n) * sizeof(half);  // the f32 node's nb[2], halved
+    k_compute_batched_ptrs<<<grid_dims, block_dims, 0, stream>>>(
+        w->data, x, (char *) c, ptrs_src.get(), ptrs_dst.get(), ne12, ne13, ne23, w->nb[2], w->nb[3], nb12,
+        nb12 * ne12, nbd2, nbd2 * ne12, /*r2=*/ne12, /*r3=*/ne13);
+    CUDA_CHECK(cudaGetLastError());
+    CUBLAS_CHECK(cublasSetStream(ctx.cublas_handle(), stream));
+    CUBLAS_CHECK(cublasGemmBatchedEx(ctx.cublas_handle(), CUBLAS_OP_T, CUBLAS_OP_N, m, n, k, traits::get_alpha(),
+                                     (const void **) (ptrs_src.get() + 0 * ne23), CUDA_R_16F, k,
+                                     (const void **) (ptrs_src.get() + 1 * ne23), CUDA_R_16F, k, traits::get_beta(),
+                                     (void **) (ptrs_dst.get() + 0 * ne23), CUDA_R_16F, m, ne23,
+                                     traits::compute_type, CUBLAS_GEMM_DEFAULT_TENSOR_OP));
+}
+
 // The linear at node i and what follows it (sdfarm_linear_plan_at), tried by the graph loop of
 // ggml-cuda.cu where ggml would take ggml_cuda_op_mul_mat_cublas's f16 path. Returns the index
 // of the last node, whose tensor it wrote, or -1 (nothing launched; ggml computes node i).
@@ -335,10 +396,11 @@ int sdfarm_linear_fuse(ggml_backend_cuda_context & ctx, ggml_cgraph * cgraph, in
     const ggml_tensor * mm = cgraph->nodes[i];
     const ggml_tensor * w = mm->src[0];
     const ggml_tensor * x = mm->src[1];
-    const int64_t k = w->ne[0];
-    const int64_t m = w->ne[1];
-    const int64_t n = x->ne[1];
-    if (!sdfarm_cublas_f16_path(ctx, w, n)) {
+    const sdfarm_linear_rows r = sdfarm_linear_rows_of(mm);
+    const int64_t k = r.k;
+    const int64_t m = r.m;
+    const int64_t n = r.columns * r.images;  // rows of the chain's tensors
+    if (!sdfarm_cublas_f16_path(ctx, w, r.columns)) {
         return -1;
     }
     cudaStream_t stream = ctx.stream();
@@ -346,7 +408,7 @@ int sdfarm_linear_fuse(ggml_backend_cuda_context & ctx, ggml_cgraph * cgraph, in
     ggml_cuda_pool_alloc<half> x16(ctx.pool(), k * n);
     ggml_get_to_fp16_cuda(GGML_TYPE_F32)(x->data, x16.get(), k * n, stream);
     ggml_cuda_pool_alloc<half> c16(ctx.pool(), m * n);
-    sdfarm_cublas_f16_gemm(ctx, w, x16.get(), c16.get(), n, stream);
+    sdfarm_cublas_f16_gemm_images(ctx, w, x16.get(), c16.get(), r.columns, r.images, stream);
 
     ggml_tensor * out = cgraph->nodes[plan.last];
     const float * b = (const float *) plan.bias->data;

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from sdfarm.native import cudnn, sourcepatch
 from sdfarm.native.devices import Device
 from sdfarm.native.estimate import (
@@ -91,6 +93,10 @@ GRAPH_HARNESS = r"""
 #define SDFARM_HOST_GRAPH 1
 #include "conv2d_cudnn.cuh"
 
+#ifndef IMAGES
+#define IMAGES 1  // the batch (ggml's dim 3)
+#endif
+
 // ggml_ext_conv_2d of stable-diffusion.cpp with direct convolution (src/ggml_extend.hpp).
 static ggml_tensor * sd_conv(ggml_context * ctx, ggml_tensor * x, ggml_tensor * w,
                              ggml_tensor * b) {
@@ -105,7 +111,7 @@ static ggml_tensor * sd_conv(ggml_context * ctx, ggml_tensor * x, ggml_tensor * 
 int main() {
     ggml_init_params params = {64 * 1024 * 1024, nullptr, true};
     ggml_context * ctx = ggml_init(params);
-    ggml_tensor * x = ggml_new_tensor_4d(ctx, GGML_TYPE_F32, 16, 16, 8, 1);
+    ggml_tensor * x = ggml_new_tensor_4d(ctx, GGML_TYPE_F32, 16, 16, 8, IMAGES);
     ggml_tensor * w1 = ggml_new_tensor_4d(ctx, GGML_TYPE_F16, 3, 3, 8, 8);
     ggml_tensor * b1 = ggml_new_tensor_1d(ctx, GGML_TYPE_F32, 8);
     ggml_tensor * w2 = ggml_new_tensor_4d(ctx, GGML_TYPE_F16, 3, 3, 8, 8);
@@ -135,10 +141,12 @@ int main() {
 """
 
 
-def test_the_bias_add_fuses_only_where_it_is_ggml_ext_conv_2ds(tmp_path: Path) -> None:
+@pytest.mark.parametrize("images", [1, 4])
+def test_the_bias_add_fuses_only_where_it_is_ggml_ext_conv_2ds(tmp_path: Path, images) -> None:
     """The walk finds stable-diffusion.cpp's bias add behind the bias's reshape, and refuses
-    an add of another tensor and a convolution that is read twice."""
-    lines = run_graph_harness(tmp_path, GRAPH_HARNESS)
+    an add of another tensor and a convolution that is read twice; the same over a batch of
+    four images (batched sampling: cuDNN's N, the bias broadcast over it)."""
+    lines = run_graph_harness(tmp_path, f"#define IMAGES {images}\n" + GRAPH_HARNESS)
     assert len(lines) == 3, lines
     assert "(ADD) between: RESHAPE" in lines[0], lines[0]
     assert lines[1].endswith("bias add -1"), lines[1]

@@ -61,6 +61,28 @@ static void ask(ggml_context * ctx, const char * name, int d, int lq, int lk, in
            (long long) s.kv_len, (long long) s.heads, s.scale);
 }
 
+// A batch of `images` (batched sampling): stable-diffusion.cpp folds the images into the heads
+// (Q, K and V of [d, L, heads * images]); `q4d` keeps them apart ([d, L, heads, images]). The
+// dims and strides cuDNN is given: B, H, and each tensor's batch, head and row strides.
+static void ask_batch(ggml_context * ctx, const char * name, int d, int l, int heads, int images,
+                      bool q4d) {
+    ggml_tensor * t[3];
+    for (int o = 0; o < 3; o++) {
+        t[o] = q4d ? ggml_new_tensor_4d(ctx, GGML_TYPE_F32, d, l, heads, images)
+                   : ggml_new_tensor_3d(ctx, GGML_TYPE_F32, d, l, heads * images);
+        if (o > 0) t[o] = ggml_cast(ctx, t[o], GGML_TYPE_F16);
+    }
+    ggml_tensor * out = ggml_flash_attn_ext(ctx, t[0], t[1], t[2], nullptr,
+                                            1.0f / sqrtf((float) d), 0.0f, 0.0f);
+    ggml_flash_attn_ext_set_prec(out, GGML_PREC_F32);
+    const sdfarm_sdpa_dims s = sdfarm_sdpa_dims_of(out);
+    printf("%s %d B=%lld H=%lld q=%lld,%lld,%lld k=%lld,%lld,%lld o=%lld,%lld,%lld\n", name,
+           (int) sdfarm_sdpa_eligible(sdfarm_sdpa_shape_of(out)), (long long) s.B,
+           (long long) s.H, (long long) s.q[0], (long long) s.q[1], (long long) s.q[2],
+           (long long) s.k[0], (long long) s.k[1], (long long) s.k[2], (long long) s.o[0],
+           (long long) s.o[1], (long long) s.o[2]);
+}
+
 int main() {
     ggml_init_params params = {256 * 1024 * 1024, nullptr, true};
     ggml_context * ctx = ggml_init(params);
@@ -73,6 +95,8 @@ int main() {
     ask(ctx, "gqa", 64, 1024, 1024, 8, 2, false, true, 0.0f, false);
     ask(ctx, "softcap", 64, 1024, 1024, 5, 5, false, true, 30.0f, false);
     ask(ctx, "permuted-q", 64, 1024, 1024, 5, 5, false, true, 0.0f, true);
+    ask_batch(ctx, "self-512-x4", 64, 4096, 5, 4, false);
+    ask_batch(ctx, "self-512-x4-4d", 64, 4096, 5, 4, true);
     ggml_free(ctx);
     return 0;
 }
@@ -88,10 +112,23 @@ def test_cudnn_takes_the_unets_self_attention_and_refuses_what_it_cannot_run(tmp
     assert got == {
         "self-1024": "1", "self-512": "1", "cross-masked": "0", "head-80": "1",
         "head-256": "0", "f32-kv": "0", "gqa": "0", "softcap": "0", "permuted-q": "0",
+        "self-512-x4": "1", "self-512-x4-4d": "1",
     }, lines  # fmt: skip
     first = lines[0].split()
     assert first[2:6] == ["d=64", "q=16384", "kv=16384", "heads=5"], lines[0]
     assert first[6] == "scale=0.125000", lines[0]  # 1/sqrt(64): the plan is keyed by it
+
+
+def test_a_batch_of_four_is_one_attention_of_its_images_heads(tmp_path) -> None:
+    """Batched sampling's self-attention, as stable-diffusion.cpp builds it (the four images
+    folded into the heads: Q, K and V of [64, L, 5 x 4]) goes to cuDNN as 20 heads of one batch;
+    its output is ggml's [64, 20, L] (a row holds every image's heads). A Q of [64, L, 5, 4]
+    would be B = 4."""
+    lines = [line for line in run_graph_harness(tmp_path, HARNESS) if "-x4" in line]
+    assert lines == [
+        "self-512-x4 1 B=1 H=20 q=5242880,262144,64 k=5242880,262144,64 o=5242880,64,1280",
+        "self-512-x4-4d 1 B=4 H=5 q=1310720,262144,64 k=1310720,262144,64 o=1310720,64,320",
+    ], lines
 
 
 def test_the_build_finds_the_three_headers_or_compiles_none_of_it(tmp_path: Path) -> None:

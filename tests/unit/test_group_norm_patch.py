@@ -3,9 +3,9 @@ element of every group once, with its own channel's weight and bias: its per-thr
 compiled for the host with g++ and run one block after another (several threads each), against
 ggml's group norm followed by ggml's mul and add (and silu, which the patch takes in too),
 transcribed as loops in double. Shapes cover
-chunks that do not divide a group, a group smaller than one chunk, several images, and the
-fusion's channel lookup across a group's planes. (On the GPU bench/build_options.py compares
-the pixels.)
+chunks that do not divide a group, a group smaller than one chunk, several images (four, as
+batched sampling has them), and the fusion's channel lookup across a group's planes. (On the
+GPU bench/build_options.py compares the pixels.)
 """
 
 from __future__ import annotations
@@ -98,6 +98,7 @@ CASES = [
     (45, 33, 96, 2, 32, 2, 96),  # two images, three channels per group, silu
     (17, 19, 320, 1, 32, 1, 256),  # the UNet's 320 channels, an odd plane
     (64, 64, 128, 1, 32, 2, 256),  # a resnet's norm then silu
+    (32, 32, 320, 4, 32, 2, 256),  # batched sampling: four images' latents through a resnet
 ]
 
 
@@ -147,6 +148,10 @@ GRAPH_HARNESS = r"""
 #define SDFARM_GN_HOST_GRAPH 1
 #include "group_norm_split.cuh"
 
+#ifndef IMAGES
+#define IMAGES 1  // the batch (ggml's dim 3)
+#endif
+
 // ggml_ext_group_norm of stable-diffusion.cpp (src/ggml_extend.hpp at master-596).
 static ggml_tensor * sd_group_norm(ggml_context * ctx, ggml_tensor * x, ggml_tensor * w,
                                    ggml_tensor * b) {
@@ -160,7 +165,7 @@ static ggml_tensor * sd_group_norm(ggml_context * ctx, ggml_tensor * x, ggml_ten
 int main() {
     ggml_init_params params = {64 * 1024 * 1024, nullptr, true};
     ggml_context * ctx = ggml_init(params);
-    ggml_tensor * x = ggml_new_tensor_4d(ctx, GGML_TYPE_F32, 16, 16, 64, 1);
+    ggml_tensor * x = ggml_new_tensor_4d(ctx, GGML_TYPE_F32, 16, 16, 64, IMAGES);
     ggml_tensor * w1 = ggml_new_tensor_1d(ctx, GGML_TYPE_F32, 64);
     ggml_tensor * b1 = ggml_new_tensor_1d(ctx, GGML_TYPE_F32, 64);
     ggml_tensor * w2 = ggml_new_tensor_1d(ctx, GGML_TYPE_F32, 64);
@@ -199,13 +204,15 @@ int main() {
 """
 
 
+@pytest.mark.parametrize("images", [1, 4])
 def test_the_fusion_finds_stable_diffusion_cpps_group_norm_in_a_real_ggml_graph(
-    tmp_path: Path,
+    tmp_path: Path, images: int
 ) -> None:
     """The graph walk, on a graph the pinned ggml builds (the CPU runtime's library): the
     group norm as stable-diffusion.cpp writes it is fused with its mul and add, which sit
-    behind the weight's reshape, and a group norm with another use is not."""
-    lines = run_graph_harness(tmp_path, GRAPH_HARNESS)
+    behind the weight's reshape, and a group norm with another use is not; the same for a
+    batch of four images (batched sampling; the weight and bias broadcast over it)."""
+    lines = run_graph_harness(tmp_path, f"#define IMAGES {images}\n" + GRAPH_HARNESS)
     assert len(lines) == 2, lines
     assert "fuse 4 (3 without silu)" in lines[0], lines[0]
     assert "(MUL)" in lines[0] and "(ADD)" in lines[0], lines[0]
