@@ -12,7 +12,11 @@ the PSNR in dB).
 
     python bench/build_options.py --model DIR --device CUDA0 --sizes 512,1024 --images 5 \\
         --variant base=/tmp/cudart --variant graphs-off=/tmp/cudart:GGML_CUDA_DISABLE_GRAPHS=1 \\
-        --variant fast-softmax=/tmp/cudart-fs [--out FILE]
+        --variant fast-softmax=/tmp/cudart-fs [--batch B] [--out FILE]
+
+`--batch B`: every call is a job of B images (`batch_count`, seeds 42..42+B-1), timed per
+image (the call's time / B), its pixels all B images'; on a CUDA device each variant's
+process is sampled for its GPU memory peak (nvidia-smi, above the reading before it).
 """
 
 from __future__ import annotations
@@ -27,6 +31,10 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import gpupeak  # noqa: E402
 
 MARK = "@@build-options "
 
@@ -51,8 +59,9 @@ def process_gpu_mib() -> int | None:
 
 
 def child(
-    model: str, device: str, sizes: list[int], images: int, save: str, steps: int = 1
-) -> None:
+    model: str, device: str, sizes: list[int], images: int, save: str, steps: int = 1,
+    batch: int = 1,
+) -> None:  # fmt: skip
     import hashlib
 
     from sdfarm.native.engine import Engine, LogConfig
@@ -61,20 +70,20 @@ def child(
     engine = Engine.load(Path(model), log=LogConfig(level="warn"), device=device)
     for size in sizes:
         params = GenerationParams(prompt="a build options bench", width=size, height=size,
-                                  steps=steps, seed=42)  # fmt: skip
+                                  steps=steps, seed=42, batch_count=batch)  # fmt: skip
         engine.generate(params)  # untimed: first use of this size
         times, digest = [], ""
         for _ in range(images):
             t = time.perf_counter()
             result = engine.generate(params)
-            times.append(time.perf_counter() - t)
-            digest = hashlib.sha256(result.image.tobytes()).hexdigest()[:16]
+            times.append((time.perf_counter() - t) / batch)
+            digest = hashlib.sha256(b"".join(im.tobytes() for im in result.images)).hexdigest()[:16]
         result.image.save(f"{save}-{size}.png")
         print(MARK + json.dumps({"size": size, "s_per_image": statistics.median(times),
                                  "times": [round(x, 4) for x in times],
                                  "pixels": digest, "gpu_mib": process_gpu_mib(),
-                                 "estimate_mib": engine.estimate_for(size, size) >> 20}),
-              flush=True)  # fmt: skip
+                                 "estimate_mib": engine.estimate_for(size, size, batch=batch) >> 20,
+                                 "batch": batch}), flush=True)  # fmt: skip
     engine.dispose()
 
 
@@ -111,6 +120,7 @@ def main() -> int:
     ap.add_argument("--sizes", default="512,1024")
     ap.add_argument("--images", type=int, default=5)
     ap.add_argument("--steps", type=int, default=1, help="sampling steps of every image")
+    ap.add_argument("--batch", type=int, default=1, help="images per call (batch_count)")
     ap.add_argument("--variant", action="append", type=parse_variant, default=[])
     ap.add_argument("--deadline", type=float, default=None, help="no new variant after (s)")
     ap.add_argument("--out")
@@ -119,7 +129,7 @@ def main() -> int:
     args = ap.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
     if args.child:
-        child(args.model, args.device, sizes, args.images, args.save, args.steps)
+        child(args.model, args.device, sizes, args.images, args.save, args.steps, args.batch)
         return 0
     t0 = time.monotonic()
     keep = Path(tempfile.mkdtemp(prefix="build-options-"))
@@ -131,8 +141,9 @@ def main() -> int:
         child_env = {**os.environ, "SDFARM_RUNTIME_DIR": directory, **env}
         cmd = [sys.executable, __file__, "--child", "--model", args.model, "--device",
                args.device, "--sizes", args.sizes, "--images", str(args.images),
-               "--steps", str(args.steps), "--save", str(keep / label)]  # fmt: skip
-        done = subprocess.run(cmd, capture_output=True, text=True, env=child_env)
+               "--steps", str(args.steps), "--batch", str(args.batch),
+               "--save", str(keep / label)]  # fmt: skip
+        done, peak = gpupeak.sampled(cmd, args.device, env=child_env)
         found = [json.loads(line[len(MARK) :]) for line in done.stdout.splitlines()
                  if line.startswith(MARK)]  # fmt: skip
         if done.returncode != 0 or not found:
@@ -140,10 +151,12 @@ def main() -> int:
             rows.append({"variant": label, "failed": True})
             continue
         for r in found:
-            rows.append({"variant": label, "runtime": Path(directory).name, "env": env, **r})
+            rows.append({"variant": label, "runtime": Path(directory).name, "env": env, **r,
+                         "process_peak_mib": None if peak is None else peak >> 20})  # fmt: skip
             print(f"{label:14} {r['size']:>5}  {r['s_per_image'] * 1000:7.1f} ms/image  "
-                  f"pixels {r['pixels']}  GPU {r.get('gpu_mib')} MiB (estimate "
-                  f"{r.get('estimate_mib')} MiB)", flush=True)  # fmt: skip
+                  f"pixels {r['pixels']}  GPU {r.get('gpu_mib')} MiB, peak "
+                  f"{rows[-1]['process_peak_mib']} MiB (estimate {r.get('estimate_mib')} MiB)",
+                  flush=True)  # fmt: skip
     first = args.variant[0][0]
     base = {r["size"]: r["pixels"] for r in rows if r.get("variant") == first}
     for r in rows:
@@ -158,6 +171,7 @@ def main() -> int:
     shutil.rmtree(keep, ignore_errors=True)
     doc = {"what": __doc__.splitlines()[0], "model": Path(args.model).name,
            "device": args.device, "images": args.images, "steps": args.steps,
+           "batch": args.batch,
            "rows": rows}  # fmt: skip
     if args.out:
         Path(args.out).write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")

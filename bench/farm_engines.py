@@ -5,12 +5,13 @@ the worker's processes' RSS) and what the scheduler accounted for the engines (t
 estimates in the heartbeat against the device's capacity).
 
     python bench/farm_engines.py --device DEV --engines 1,2,4 --jobs K --size 512 --steps 1 \\
-        [--model DIR] [--threads T] [--out FILE]
+        [--batch B] [--model DIR] [--threads T] [--out FILE]
 
 Before the timed batch each N gets 2N warm-up jobs at once, so every slot has loaded its
 engine (and warmed it up) before the clock starts. images/s = K / (the last job's end - the
 first job's claim), by the job records; "at once" is the most jobs whose claim-to-generated
-windows overlap. Without --model, the tiny test model.
+windows overlap. `--batch B`: every job asks B images (`batch_count`; a UNet model samples them
+together), and images/s counts K x B images. Without --model, the tiny test model.
 Needs only the package's dependencies on PYTHONPATH and a redis-server on PATH.
 """
 
@@ -116,7 +117,7 @@ def one_n(
     from sdfarm.store import keys
 
     common = {"width": args.size, "height": args.size, "steps": args.steps, "cfg_scale": 1.0,
-              "decoder": args.decoder}  # fmt: skip
+              "decoder": args.decoder, "batch_count": args.batch}  # fmt: skip
     baseline = gpu_used_mib(gpu) if gpu is not None else None
     local = LocalFarm(
         [models_dir], devices=[args.device], threads=args.threads, announce=False,
@@ -148,8 +149,10 @@ def one_n(
     return {
         "engines": n,
         "jobs": args.jobs,
-        "images_per_s": args.jobs / span,
-        "images_per_s_wall": args.jobs / wall,
+        "batch": args.batch,
+        "images": sum(len(res.pngs) for res in results),
+        "images_per_s": args.jobs * args.batch / span,
+        "images_per_s_wall": args.jobs * args.batch / wall,
         "span_s": span,
         "wall_s": wall,
         "warmup_s": warm_s,
@@ -171,6 +174,7 @@ def main() -> int:
     p.add_argument("--jobs", type=int, default=40, help="jobs in the timed batch, per N")
     p.add_argument("--size", type=int, default=512)
     p.add_argument("--steps", type=int, default=1)
+    p.add_argument("--batch", type=int, default=1, help="images per job (batch_count)")
     p.add_argument("--model", default=None, help="a model folder (default: the tiny model)")
     p.add_argument("--threads", type=int, default=None, help="CPU threads per engine")
     p.add_argument("--decoder", default="default", help="the jobs' decoder: default, vae, taesd")
@@ -198,7 +202,7 @@ def main() -> int:
                 write(args, name, rows)
     gib = 2**30
     print(f"{name} on {args.device}, {args.size}x{args.size}, {args.steps} step(s), "
-          f"{args.jobs} jobs per N")  # fmt: skip
+          f"{args.jobs} jobs of {args.batch} image(s) per N")  # fmt: skip
     print(f"{'N':>3} {'img/s':>8} {'vs N=1':>7} {'at once':>8} {'peak MiB':>10} "
           f"{'engines':>8} {'accounted GiB':>14} {'capacity GiB':>13}")  # fmt: skip
     base = rows[0]["images_per_s"] if rows else 1.0
@@ -218,6 +222,7 @@ def write(args: argparse.Namespace, name: str, rows: list[dict[str, Any]]) -> No
         "model": name,
         "size": args.size,
         "steps": args.steps,
+        "batch": args.batch,
         "host": platform.node(),
         "cores": os.cpu_count(),
         "cuda_mps_pipe": os.environ.get("CUDA_MPS_PIPE_DIRECTORY"),

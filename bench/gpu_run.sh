@@ -85,11 +85,16 @@
 #   bash bench/gpu_run.sh attndefault # build here, the attention fusion on by default: one engine
 #                                   # with/without it; the farm (MPS) at 512 x 4, N = 8, 12
 #   bash bench/gpu_run.sh attnquick # its first half: build, one engine with/without at 1024 x 4
+#   bash bench/gpu_run.sh batch     # build here; one engine, 4-image jobs sampled together and
+#                                   # one by one; the farm (MPS, N=8) with 4-image jobs
+#   bash bench/gpu_run.sh batchtable # batch's build: the farm, 4-image jobs, four cases; eager b1
+#   bash bench/gpu_run.sh batchpeer # the peer's compiled batch 4 at 512, then 1024
 #   bash bench/gpu_run.sh moreengines # fuse's build carried: the farm at N = 8, 12, 16 at 512
 #   bash bench/gpu_run.sh fattn     # ggml's flash attention alone at the UNet's shapes, per
 #                                   # configuration of its head-size-64 kernel; torch's SDPA
 #
-# Carried: .whl/*.whl (our dependencies and pytest for python3.12), .carry/{redis-server,
+# Carried: .whl/*.whl (our dependencies for python3.12; .whl-peer/*.whl the peer's diffusers and
+# transformers, for the calls that run it), .carry/{redis-server,
 # stable_diffusion_cpp_python-0.4.7.tar.gz}; for the Vulkan stages also .gl/*.deb (Vulkan
 # loader + glvnd) and .carry/vulkan-runtime.tar.xz (each used only when present); and, once a
 # setup has built it, .carry/cuda-runtime.tar.xz (or its .part-NN pieces: 47 MB in 3). The
@@ -138,7 +143,15 @@ prep() {
     for d in native worker scheduler store client cli localfarm; do
         ln -sfn "$REPO/$d" "/tmp/pkg/sdfarm/$d"
     done
-    export PYTHONPATH=/tmp/site:/tmp/pkg
+    # The peer's wheels (diffusers, transformers and what they need beyond .whl), carried in
+    # .whl-peer by the calls that run the peer; a target of their own, since both sets have a
+    # bin/ that pip's --upgrade would replace.
+    if [ "${DRY:-0}" != 1 ] && [ ! -e /tmp/site-peer/.sdfarm-done ] &&
+        compgen -G '.whl-peer/*.whl' >/dev/null; then
+        $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+            --target /tmp/site-peer .whl-peer/*.whl && touch /tmp/site-peer/.sdfarm-done
+    fi
+    export PYTHONPATH=/tmp/site:/tmp/site-peer:/tmp/pkg
     [ -e .carry/redis-server.xz ] && [ ! -e .carry/redis-server ] && xz -dk .carry/redis-server.xz
     chmod +x .carry/redis-server 2>/dev/null
     export PATH="$REPO/.carry:$PATH"
@@ -682,10 +695,11 @@ vulkan() {
 farm_cases() {
     local tag=$1 ns=$2 mult=$3 budget=${4:-70} cases=${5:-"512:1:40 1024:1:16 512:4:30 1024:4:12"}
     for c in $cases; do
+        # SIZE:STEPS:JOBS[:IMAGES], IMAGES per job (batch_count, 1 when left out)
         set -- ${c//:/ }
         stage "$budget" "farm-$tag-$1-$2" bench/farm_engines.py --device CUDA0 --model "$MODEL" \
-            --engines "$ns" --jobs $(( $3 * mult )) --size "$1" --steps "$2" --timeout 120 \
-            --out "$OUT/cuda/cuda-farm-engines-$tag-$1-$2steps.json"
+            --engines "$ns" --jobs $(( $3 * mult )) --size "$1" --steps "$2" --batch "${4:-1}" \
+            --timeout 120 --out "$OUT/cuda/cuda-farm-engines-$tag-$1-$2steps.json"
     done
 }
 
@@ -1253,6 +1267,46 @@ attndefault() {
     fi
 }
 
+# batch: build here (not packed), with a job's images sampled together
+# (native/patches/batch_sample.hpp); one engine making jobs of 4 images, sampled together and
+# one by one (SDFARM_BATCH_SAMPLING=0), alternating, and together with the transformer fusions
+# off (their batched path must give ggml's pixels), at 512 and 1024 x 4 steps: ms per image,
+# the pixels, the process's GPU peak; then the farm under MPS (N = 8) with 4-image jobs at the
+# peer table's four cases (BATCH_CASES).
+batch() {
+    NOPACK=1 ensure_cudnn
+    local base="$CUDA_DIR:SDFARM_CUDNN=$SDFARM_CUDNN" off=",SDFARM_BATCH_SAMPLING=0"
+    local unfused=",SDFARM_ATTN_FUSED=0,SDFARM_LINEAR_FUSED=0,SDFARM_LAYER_NORM_FUSED=0"
+    options batch4 160 --steps 4 --batch 4 --images 2 --variant "together=$base" \
+        --variant "one-by-one=$base$off" --variant "together-again=$base" \
+        --variant "one-by-one-again=$base$off" --variant "together-unfused=$base$unfused"
+    if mps_start; then
+        farm_cases batch-mps-n8 8 2 70 "${BATCH_CASES:-512:4:12:4 512:1:16:4 1024:4:8:4 1024:1:8:4}"
+        mps_stop
+    fi
+}
+
+# batchtable: batch's build, still here: the farm under MPS with 4-image jobs at N = 8 and 12
+# (BATCH_NS) at the four cases, then the peer's eager batch 1 at 512 and 1024.
+batchtable() {
+    ensure_cudnn
+    if mps_start; then
+        farm_cases batch-mps-table "${BATCH_NS:-8}" 2 70 \
+            "${BATCH_CASES:-512:4:12:4 512:1:16:4 1024:4:8:4 1024:1:8:4}"
+        mps_stop
+    fi
+    peer_eager batch-lease 1,4
+}
+
+# batchpeer: right after batchtable (no runtime needed): the peer's compiled batch 4 at 512,
+# then at 1024.
+batchpeer() {
+    prep
+    mkdir -p "$OUT/cuda"
+    peer_compiled 512 150 compiled-512-batch-lease
+    peer_compiled 1024 200 compiled-1024-batch-lease
+}
+
 # attnquick: attnfuse's first half for a short lease: build here (not packed), then one engine
 # with and without the self-attention fusion at 1024 x 4 steps, pixels compared.
 attnquick() {
@@ -1523,7 +1577,7 @@ peertwo() {
 case "$PHASE" in
     setup | bench1 | bench2) ;;
     cuda_recheck | cudafarm | overhead | speedbatch | gputests | cpu1024 | twogpu) ;;
-    features | tiling | peer | tilingpeer | decodefarm | lanes | extras | cudaopts | cudamore | vulkan | vkcheck | peerone | peertwo | peerthree | effprefetch | nextlease | chainlease | i2vmps | lookahead | profile | lookprofile | im2col2 | im2col4 | gnorm | gnormpeer | im2colvec | vecmore | effahead | cublas32 | effbacklog | cudnndebug | cudnnall | cudnnalone | cudnnwhy | cudnnfix | cudnnfarm | cudnnn8 | cudnndecode | peer512c | fattn | sdpa | sdpapeer | sdpatable | fuse | fusetable | fusepeer | fusemore | attnfuse | attntable | attnpeer | attndefault | attnquick | moreengines) ;;
+    features | tiling | peer | tilingpeer | decodefarm | lanes | extras | cudaopts | cudamore | vulkan | vkcheck | peerone | peertwo | peerthree | effprefetch | nextlease | chainlease | i2vmps | lookahead | profile | lookprofile | im2col2 | im2col4 | gnorm | gnormpeer | im2colvec | vecmore | effahead | cublas32 | effbacklog | cudnndebug | cudnnall | cudnnalone | cudnnwhy | cudnnfix | cudnnfarm | cudnnn8 | cudnndecode | peer512c | fattn | sdpa | sdpapeer | sdpatable | fuse | fusetable | fusepeer | fusemore | attnfuse | attntable | attnpeer | attndefault | attnquick | moreengines | batch | batchtable | batchpeer) ;;
     *) echo "usage: bash bench/gpu_run.sh setup|bench1|bench2|cuda_recheck|cudafarm|overhead|speedbatch|gputests|cpu1024|twogpu|features|tiling|peer|tilingpeer|decodefarm|lanes|extras|cudaopts|cudamore|vulkan|vkcheck|peerone|peertwo|peerthree|effprefetch|nextlease|chainlease|i2vmps|lookahead|profile" >&2; exit 2 ;;
 esac
 set -o pipefail

@@ -38,9 +38,11 @@ def gpu_used_mib(index: str) -> int | None:
         return None
 
 
-def run_sampled(cmd: list[str], device: str) -> tuple[str, int | None]:
-    """Run `cmd` (check=True); (its stdout, its GPU peak in bytes above the reading before,
-    None when `device` is no CUDA device nvidia-smi sees)."""
+def sampled(
+    cmd: list[str], device: str, env: dict[str, str] | None = None
+) -> tuple[subprocess.CompletedProcess[str], int | None]:
+    """Run `cmd` (output captured, any exit status); (the finished process, its GPU peak in
+    bytes above the reading before, None when `device` is no CUDA device nvidia-smi sees)."""
     index = gpu_index(device)
     base = gpu_used_mib(index) if index is not None else None
     peak = [base or 0]
@@ -56,10 +58,18 @@ def run_sampled(cmd: list[str], device: str) -> tuple[str, int | None]:
     if base is not None:
         sampler.start()
     try:
-        out = subprocess.run(cmd, capture_output=True, text=True, check=True)
+        done = subprocess.run(cmd, capture_output=True, text=True, env=env)
     finally:
         stop.set()
-    return out.stdout, (peak[0] - base) * 2**20 if base is not None else None
+    return done, (peak[0] - base) * 2**20 if base is not None else None
+
+
+def run_sampled(cmd: list[str], device: str) -> tuple[str, int | None]:
+    """Run `cmd` (check=True); (its stdout, its GPU peak in bytes above the reading before,
+    None when `device` is no CUDA device nvidia-smi sees)."""
+    done, peak = sampled(cmd, device)
+    done.check_returncode()
+    return done.stdout, peak
 
 
 def run_row(cmd: list[str], device: str, failed: dict[str, Any]) -> dict[str, Any]:
