@@ -790,8 +790,9 @@ class Engine:
         limit = self._verdict.refuse_figure
         if self._verdict.action != "skip" and limit is not None and size_estimate > limit:
             tiled = self.estimate_for(
-                *params.final_size, params.encodes, lora_bytes + hires_bytes, tiled=True
-            )
+                *params.final_size, params.encodes, lora_bytes + hires_bytes, tiled=True,
+                batch=params.batch_count,
+            )  # fmt: skip
             hint = (
                 f". Decoded in tiles (vae_tiling auto or on) it would need "
                 f"{memory.format_bytes(tiled)}"
@@ -967,9 +968,11 @@ class Engine:
         encodes: bool = False,
         extra_bytes: int = 0,
         tiled: bool = False,
+        batch: int = 1,
     ) -> int:
-        """This engine's estimate of a width x height job (`ModelFacts.estimate`)."""
-        return self.facts.estimate(width, height, encodes, extra_bytes, tiled)
+        """This engine's estimate of a width x height job of `batch` images
+        (`ModelFacts.estimate`)."""
+        return self.facts.estimate(width, height, encodes, extra_bytes, tiled, batch)
 
     def _vulkan_decode(
         self, params: GenerationParams, plan: TilingPlan, drawn: tuple[int, int], extra: int
@@ -984,7 +987,9 @@ class Engine:
             return plan
         if params.vae_tiling == "off":
             raise InvalidParameterError("vae_tiling", f"{why}; decode it in tiles (auto or on)")
-        tiled = self.estimate_for(*params.final_size, params.encodes, extra, tiled=True)
+        tiled = self.estimate_for(
+            *params.final_size, params.encodes, extra, tiled=True, batch=params.batch_count
+        )
         return TilingPlan(True, tiled, f"decoded in tiles: {why}")
 
     def tiling_plan(self, params: GenerationParams, extra_bytes: int = 0) -> TilingPlan:
@@ -992,8 +997,9 @@ class Engine:
         the compute device's figure its memory check read (the GPU's for a GPU, whose
         compute buffers cannot spill; MemAvailable for the CPU), none when unchecked."""
         size = params.final_size
-        untiled = self.estimate_for(*size, params.encodes, extra_bytes)
-        tiled = self.estimate_for(*size, params.encodes, extra_bytes, tiled=True)
+        batch = params.batch_count
+        untiled = self.estimate_for(*size, params.encodes, extra_bytes, batch=batch)
+        tiled = self.estimate_for(*size, params.encodes, extra_bytes, tiled=True, batch=batch)
         checked = self._verdict.action != "skip"
         figure = self._verdict.compute_figure if checked else None
         return plan_tiling(untiled, tiled, params.vae_tiling, figure)

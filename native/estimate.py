@@ -25,7 +25,7 @@ from typing import Any
 
 from sdfarm.native import cudnn, memory
 from sdfarm.native.devices import Device
-from sdfarm.native.drawsize import round_up, size_multiple
+from sdfarm.native.drawsize import UNET_ARCHITECTURES, round_up, size_multiple
 from sdfarm.native.params import SIZE_STEP
 
 VAE_TILE_LATENT = 32
@@ -43,6 +43,14 @@ VIDEO_CHUNK_BYTES_PER_PIXEL = 48 * 1024
 frames (bench/video_memory.py on the CPU; see ModelFacts.video_estimate)."""
 VIDEO_FRAME_BYTES_PER_PIXEL = 1024
 """What every frame adds per pixel (bench/video_memory.py on the CPU)."""
+BATCH_BYTES_PER_PIXEL = 512
+"""What each image beyond the first adds per output pixel where a UNet samples a job's images
+together (native/patches/batch_sample.hpp): the UNet's compute buffer for one more latent. The
+runtime's log on the CPU, SD-Turbo-class model (SD 2.x UNet, flash attention) at 512x512:
+a UNet compute buffer of 123.14 MB for one image, 470 bytes per output pixel (the VAE's was
+704 MB, so up to five images sampled together stay under the decode's peak there). Counted
+in full for every image beyond the first all the same: the buffers are freed between the
+stages, but which stage peaks depends on the backend and the decoder."""
 CLIP_VISION_COMPUTE_BYTES = 32 * memory.MiB
 """The working memory of a video job whose input image runs through the model's CLIP vision
 encoder (a Wan2.1 I2V model's clip_vision file; its weights count with the model's files).
@@ -81,6 +89,9 @@ class ModelFacts:
     vision: int = 0
     """What a video job's input image adds through the model's CLIP vision encoder
     (CLIP_VISION_COMPUTE_BYTES for a model with a clip_vision file, else 0)."""
+    batch_per_pixel: int = 0
+    """What each image of a job beyond its first adds per output pixel, for a model whose
+    UNet samples a job's images together (BATCH_BYTES_PER_PIXEL; 0: one by one)."""
 
     def estimate(
         self,
@@ -89,8 +100,10 @@ class ModelFacts:
         encodes: bool = False,
         extra_bytes: int = 0,
         tiled: bool = False,
+        batch: int = 1,
     ) -> int:
-        """The peak memory estimate of this model generating width x height images; an image
+        """The peak memory estimate of this model generating width x height images, `batch`
+        of them in one job (`batch_beyond`); an image
         to encode first (img2img, inpainting) adds the encoder's working memory, which is the
         decoder's per pixel (the same convolutions run the other way); `extra_bytes` are the
         files a job adds (its LoRAs), counted like the model's (the seed's quarter on top).
@@ -100,12 +113,15 @@ class ModelFacts:
         width, height = round_up(width, self.size_multiple), round_up(height, self.size_multiple)
         nw, nh = self.native_size
         per_pixel = self.decode_per_pixel * (2 if encodes else 1)
-        control = self.control_working(int(width), int(height))
+        # Beside the decode: a ControlNet's attention scores, and the UNet's further latents.
+        beside = self.control_working(int(width), int(height)) + self.batch_beyond(
+            int(width), int(height), batch
+        )
         if tiled:
             side_w, side_h = min(int(width), VAE_TILE_PIXELS), min(int(height), VAE_TILE_PIXELS)
             return (
                 self.context
-                + control
+                + beside
                 + self.attention_beyond(side_w, side_h)
                 + memory.tiled_estimate_bytes(
                     self.bytes + extra_bytes,
@@ -118,7 +134,7 @@ class ModelFacts:
             )
         return (
             self.context
-            + control
+            + beside
             + self.attention_beyond(int(width), int(height))
             + memory.estimate_bytes(
                 self.bytes + extra_bytes,
@@ -128,6 +144,13 @@ class ModelFacts:
                 decode_per_pixel=per_pixel,
             )
         )
+
+    def batch_beyond(self, width: int, height: int, batch: int) -> int:
+        """What a job of `batch` images adds over one image where the UNet samples them
+        together: the UNet's working memory for every latent beyond the first. The decode
+        stays one image at a time, so the decode's terms do not grow; a tiled decode does not
+        bound this term."""
+        return max(0, batch - 1) * width * height * self.batch_per_pixel
 
     def attention_beyond(self, width: int, height: int) -> int:
         """What the VAE's attention at `width` x `height` needs beyond the decode's per-pixel
@@ -183,6 +206,7 @@ class ModelFacts:
             **({"size_multiple": self.size_multiple} if self.size_multiple != SIZE_STEP else {}),
             **({"decode_attention": True} if self.decode_attention else {}),
             **({"vision": self.vision} if self.vision else {}),
+            **({"batch_per_pixel": self.batch_per_pixel} if self.batch_per_pixel else {}),
         }
         if self.video:
             doc["video"] = self.video
@@ -203,6 +227,7 @@ class ModelFacts:
             int(doc.get("size_multiple") or SIZE_STEP),
             bool(doc.get("decode_attention")),
             int(doc.get("vision") or 0),
+            int(doc.get("batch_per_pixel") or 0),
         )
 
     @classmethod
@@ -224,6 +249,7 @@ class ModelFacts:
             max(f.size_multiple for f in facts),
             any(f.decode_attention for f in facts),
             max(f.vision for f in facts),
+            max(f.batch_per_pixel for f in facts),
         )
 
     def with_extras(self, extra_bytes: int, control_heads: int = 0) -> ModelFacts:
@@ -264,6 +290,9 @@ def model_facts(model: Any, device: Device, decoder: str = "") -> ModelFacts:
         size_multiple=size_multiple(getattr(model, "architecture", "")),
         decode_attention="vae" in decoders and own(decoders) == "vae",
         vision=CLIP_VISION_COMPUTE_BYTES if "clip_vision" in model.files else 0,
+        batch_per_pixel=BATCH_BYTES_PER_PIXEL
+        if getattr(model, "architecture", "") in UNET_ARCHITECTURES
+        else 0,
     )
     return facts.with_decoder(decoder)
 
@@ -486,13 +515,14 @@ def job_estimate(
     tile_size: int = 0,
     tiled: bool = False,
     frames: int = 0,
+    batch: int = 1,
 ) -> int:
     """A job's estimate from its engine's facts: a generation's size (and input image and
-    LoRA files; `tiled`: its VAE decoding in tiles), or an upscale's input size and tile size,
-    or a video's frame size and `frames` (a video is never tiled). What the scheduler places
-    by."""
+    LoRA files; `tiled`: its VAE decoding in tiles; `batch`: its images), or an upscale's
+    input size and tile size, or a video's frame size and `frames` (a video is never tiled).
+    What the scheduler places by."""
     if isinstance(facts, UpscalerFacts):
         return facts.estimate(width, height, tile_size)
     if frames:
         return facts.video_estimate(width, height, frames, encodes)
-    return facts.estimate(width, height, encodes, extra_bytes, tiled=tiled)
+    return facts.estimate(width, height, encodes, extra_bytes, tiled=tiled, batch=batch)

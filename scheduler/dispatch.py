@@ -93,10 +93,10 @@ class DispatchConfig:
 
 Hires = tuple[str, int, int, int]
 """A hires pass's model upscaler: (its name, the first pass's width and height, tile size)."""
-Shape = tuple[str, int, int, bool, tuple[str, ...], int, Hires | None, str]
+Shape = tuple[str, int, int, bool, tuple[str, ...], int, Hires | None, str, int]
 """(engine, width, height, encodes an image, its LoRAs, tile size, its hires upscaler, its
-vae_tiling choice): an upscale job's engine is `upscaler:NAME`, its size the input image's;
-a video job's tile size is minus its frame count (`_video_frames`)."""
+vae_tiling choice, its images): an upscale job's engine is `upscaler:NAME`, its size the input
+image's; a video job's tile size is minus its frame count (`_video_frames`)."""
 
 
 @dataclass(frozen=True)
@@ -115,13 +115,14 @@ class PendingJob:
     tile_size: int = 0
     hires: Hires | None = None
     vae_tiling: str = "auto"
+    batch: int = 1
 
     @cached_property
     def shape(self) -> Shape:
         """What the job's estimate depends on: jobs of one shape share it."""
         return (
             self.model, self.width, self.height, self.encodes, self.loras, self.tile_size,
-            self.hires, self.vae_tiling,
+            self.hires, self.vae_tiling, self.batch,
         )  # fmt: skip
 
 
@@ -408,9 +409,9 @@ class Dispatcher:
                     stats["refused"] += sum(self._fail(j, error, (), 0) for j in group)
                 continue
             self._missing_since.pop(model, None)
-            _, width, height, encodes, loras, tile, hires, tiling = shape
+            _, width, height, encodes, loras, tile, hires, tiling, batch = shape
             extra = sum(sizes.get(n, 0) for n in loras) + _hires_bytes(snap, hires)
-            size = {"encodes": encodes, "tile_size": tile, "extra_bytes": extra}
+            size = {"encodes": encodes, "tile_size": tile, "extra_bytes": extra, "batch": batch}
             size["frames"] = _video_frames(size)
             upscale = upscaler_name(model) is not None  # no VAE: nothing to tile
             asked = _index_request(
@@ -577,7 +578,7 @@ def _pending_job(job_id: str, priority: int, values: list[Any]) -> PendingJob | 
     state, model, submitter, created, spec = (decode(v) for v in values)
     if state != "queued" or not model:
         return None
-    tile, hires = 0, None
+    tile, hires, batch = 0, None, 1
     try:
         doc = json.loads(spec)
         params = doc.get("params") or {}
@@ -598,6 +599,7 @@ def _pending_job(job_id: str, priority: int, values: list[Any]) -> PendingJob | 
             encodes = gen.encodes
             loras = tuple(str(pair[0]) for pair in params.get("loras") or [])
             tiling = gen.vae_tiling if gen.vae_tiling in VAE_TILING else "auto"
+            batch = gen.batch_count
             if gen.hires_upscaler:
                 hires = (str(gen.hires_upscaler), gen.width, gen.height, gen.hires_tile_size)
     except (ValueError, TypeError, AttributeError, IndexError, InvalidParameterError):
@@ -608,7 +610,7 @@ def _pending_job(job_id: str, priority: int, values: list[Any]) -> PendingJob | 
         created_at = 0.0
     return PendingJob(
         job_id, model, priority, submitter or "anonymous", created_at, width, height, encodes,
-        loras, tile, hires, tiling,
+        loras, tile, hires, tiling, batch,
     )  # fmt: skip
 
 

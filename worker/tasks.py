@@ -366,8 +366,9 @@ class JobRun:
         # its VAE tiling plan (sdfarm.native.tiling), which the engine obeys.
         tiling: TilingPlan | None = _tiling_plan(claimed.tiling)
         need = claimed.estimate or facts.estimate(
-            *params.final_size, params.encodes, extra, tiled=bool(tiling and tiling.tiled)
-        )
+            *params.final_size, params.encodes, extra, tiled=bool(tiling and tiling.tiled),
+            batch=params.batch_count,
+        )  # fmt: skip
         engine = self._engine(spec.model, model, facts.resident(), need)
         log_config = LogConfig(level=self.level, log_prompts=self.log_prompts)
         try:  # every check of the engine's, here: ahead of the start when looking ahead

@@ -39,7 +39,7 @@ def test_a_queued_upscale_job_is_shaped_by_its_input_and_tile_size() -> None:
                        "tile_size": 64, "input_size": [300, 200]}}  # fmt: skip
     job = _pending_job("j1", 5, ["queued", "upscaler:esrgan", "me", "1.0", json.dumps(spec)])
     assert job is not None
-    assert job.shape == ("upscaler:esrgan", 300, 200, False, (), 64, None, "off")
+    assert job.shape == ("upscaler:esrgan", 300, 200, False, (), 64, None, "off", 1)
     estimate = job_estimate(CPU, job.width, job.height, tile_size=job.tile_size)
     assert estimate == CPU.estimate(300, 200, 64)
     assert estimate < CPU.estimate(300, 200, 0)  # tiles: less working memory

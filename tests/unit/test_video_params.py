@@ -235,7 +235,7 @@ def test_a_queued_video_job_is_shaped_by_its_frames() -> None:
     spec = {"model": "wan", "kind": "video", "params": params}
     job = _pending_job("v1", 5, ["queued", "wan", "me", "1.0", json.dumps(spec)])
     assert job is not None
-    assert job.shape == ("wan", 64, 64, False, (), -9, None, "off")
+    assert job.shape == ("wan", 64, 64, False, (), -9, None, "off", 1)
     size = {"encodes": False, "tile_size": job.tile_size, "extra_bytes": 0}
     assert _video_frames(size) == 9 and size["tile_size"] == 0
     facts = ModelFacts(1 << 30, (64, 64))
