@@ -1291,7 +1291,7 @@ batch() {
 batchtable() {
     ensure_cudnn
     if mps_start; then
-        farm_cases batch-mps-table "${BATCH_NS:-8}" 2 70 \
+        farm_cases "batch-mps-table${BATCH_TAG:-}" "${BATCH_NS:-8}" 2 "${BATCH_STAGE:-70}" \
             "${BATCH_CASES:-512:4:12:4 512:1:16:4 1024:4:8:4 1024:1:8:4}"
         mps_stop
     fi
@@ -1303,8 +1303,8 @@ batchtable() {
 batchpeer() {
     prep
     mkdir -p "$OUT/cuda"
-    peer_compiled 512 150 compiled-512-batch-lease
-    peer_compiled 1024 200 compiled-1024-batch-lease
+    case " ${PEER_SIZES:-512 1024} " in *" 512 "*) peer_compiled 512 150 compiled-512-batch-lease ;; esac
+    case " ${PEER_SIZES:-512 1024} " in *" 1024 "*) peer_compiled 1024 200 compiled-1024-batch-lease ;; esac
 }
 
 # attnquick: attnfuse's first half for a short lease: build here (not packed), then one engine
