@@ -43,14 +43,16 @@ VIDEO_CHUNK_BYTES_PER_PIXEL = 48 * 1024
 frames (bench/video_memory.py on the CPU; see ModelFacts.video_estimate)."""
 VIDEO_FRAME_BYTES_PER_PIXEL = 1024
 """What every frame adds per pixel (bench/video_memory.py on the CPU)."""
-BATCH_BYTES_PER_PIXEL = 512
+BATCH_BYTES_PER_PIXEL = 640
 """What each image beyond the first adds per output pixel where a UNet samples a job's images
-together (native/patches/batch_sample.hpp): the UNet's compute buffer for one more latent. The
-runtime's log on the CPU, SD-Turbo-class model (SD 2.x UNet, flash attention) at 512x512:
-a UNet compute buffer of 123.14 MB for one image, 470 bytes per output pixel (the VAE's was
-704 MB, so up to five images sampled together stay under the decode's peak there). Counted
-in full for every image beyond the first all the same: the buffers are freed between the
-stages, but which stage peaks depends on the backend and the decoder."""
+together (native/patches/batch_sample.hpp): the UNet's working memory for one more latent.
+On the CPU the runtime's log gave a UNet compute buffer of 123.14 MB at 512x512 for one image
+of the SD-Turbo-class model (470 bytes per pixel; the VAE's was 704 MB). On the H200 (CUDA,
+cuDNN, the fusions; bench/results/gpu/cuda-farm-engines-batch-mps-*.json, 8 engines under
+MPS) 4-image jobs peaked 0.35 GiB an engine above 1-image jobs at 512x512 and 1.64 GiB at
+1024x1024: 478 and 558 bytes per pixel for the 3 more images. 640 covers both; counted in full
+although the decode, one image at a time, often peaks higher (which stage peaks depends on the
+backend and the decoder)."""
 CLIP_VISION_COMPUTE_BYTES = 32 * memory.MiB
 """The working memory of a video job whose input image runs through the model's CLIP vision
 encoder (a Wan2.1 I2V model's clip_vision file; its weights count with the model's files).
