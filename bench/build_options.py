@@ -83,7 +83,8 @@ def child(
                                  "times": [round(x, 4) for x in times],
                                  "pixels": digest, "gpu_mib": process_gpu_mib(),
                                  "estimate_mib": engine.estimate_for(size, size, batch=batch) >> 20,
-                                 "batch": batch}), flush=True)  # fmt: skip
+                                 "batch": batch, "images_back": len(result.images)}),
+              flush=True)  # fmt: skip
     engine.dispose()
 
 
@@ -154,11 +155,12 @@ def main() -> int:
             rows.append({"variant": label, "runtime": Path(directory).name, "env": env, **r,
                          "process_peak_mib": None if peak is None else peak >> 20})  # fmt: skip
             print(f"{label:14} {r['size']:>5}  {r['s_per_image'] * 1000:7.1f} ms/image  "
+                  f"{r.get('images_back')} of {r.get('batch')} images  "
                   f"pixels {r['pixels']}  GPU {r.get('gpu_mib')} MiB, peak "
                   f"{rows[-1]['process_peak_mib']} MiB (estimate {r.get('estimate_mib')} MiB)",
                   flush=True)  # fmt: skip
     first = args.variant[0][0]
-    base = {r["size"]: r["pixels"] for r in rows if r.get("variant") == first}
+    base = {r["size"]: r["pixels"] for r in rows if r.get("variant") == first and "size" in r}
     for r in rows:
         if "pixels" in r:
             r["same_pixels_as_first"] = r["pixels"] == base.get(r["size"])

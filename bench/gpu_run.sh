@@ -89,6 +89,7 @@
 #                                   # one by one; the farm (MPS, N=8) with 4-image jobs
 #   bash bench/gpu_run.sh batchtable # batch's build: the farm, 4-image jobs, four cases; eager b1
 #   bash bench/gpu_run.sh batchpeer # the peer's compiled batch 4 at 512, then 1024
+#   bash bench/gpu_run.sh batchbig  # build here; 4 images at 1984 and 8 at 1024 on both CUDA paths
 #   bash bench/gpu_run.sh moreengines # fuse's build carried: the farm at N = 8, 12, 16 at 512
 #   bash bench/gpu_run.sh fattn     # ggml's flash attention alone at the UNet's shapes, per
 #                                   # configuration of its head-size-64 kernel; torch's SDPA
@@ -1307,6 +1308,18 @@ batchpeer() {
     case " ${PEER_SIZES:-512 1024} " in *" 1024 "*) peer_compiled 1024 200 compiled-1024-batch-lease ;; esac
 }
 
+# batchbig: build here (not packed); the largest batches a farm sends on both CUDA paths
+# (cuDNN's, and im2col's without SDFARM_CUDNN): 4 images at 1984x1984 and 8 at 1024x1024, 1
+# step, each job checked for all its images (a process the runtime aborts says so).
+batchbig() {
+    NOPACK=1 ensure_cudnn
+    local base="$CUDA_DIR:SDFARM_CUDNN=$SDFARM_CUDNN"
+    options batchbig4 200 --sizes 1984 --steps 1 --batch 4 --images 1 \
+        --variant "cudnn=$base" --variant "im2col=$CUDA_DIR"
+    options batchbig8 150 --sizes 1024 --steps 1 --batch 8 --images 1 \
+        --variant "cudnn=$base" --variant "im2col=$CUDA_DIR"
+}
+
 # attnquick: attnfuse's first half for a short lease: build here (not packed), then one engine
 # with and without the self-attention fusion at 1024 x 4 steps, pixels compared.
 attnquick() {
@@ -1577,7 +1590,7 @@ peertwo() {
 case "$PHASE" in
     setup | bench1 | bench2) ;;
     cuda_recheck | cudafarm | overhead | speedbatch | gputests | cpu1024 | twogpu) ;;
-    features | tiling | peer | tilingpeer | decodefarm | lanes | extras | cudaopts | cudamore | vulkan | vkcheck | peerone | peertwo | peerthree | effprefetch | nextlease | chainlease | i2vmps | lookahead | profile | lookprofile | im2col2 | im2col4 | gnorm | gnormpeer | im2colvec | vecmore | effahead | cublas32 | effbacklog | cudnndebug | cudnnall | cudnnalone | cudnnwhy | cudnnfix | cudnnfarm | cudnnn8 | cudnndecode | peer512c | fattn | sdpa | sdpapeer | sdpatable | fuse | fusetable | fusepeer | fusemore | attnfuse | attntable | attnpeer | attndefault | attnquick | moreengines | batch | batchtable | batchpeer) ;;
+    features | tiling | peer | tilingpeer | decodefarm | lanes | extras | cudaopts | cudamore | vulkan | vkcheck | peerone | peertwo | peerthree | effprefetch | nextlease | chainlease | i2vmps | lookahead | profile | lookprofile | im2col2 | im2col4 | gnorm | gnormpeer | im2colvec | vecmore | effahead | cublas32 | effbacklog | cudnndebug | cudnnall | cudnnalone | cudnnwhy | cudnnfix | cudnnfarm | cudnnn8 | cudnndecode | peer512c | fattn | sdpa | sdpapeer | sdpatable | fuse | fusetable | fusepeer | fusemore | attnfuse | attntable | attnpeer | attndefault | attnquick | moreengines | batch | batchtable | batchpeer | batchbig) ;;
     *) echo "usage: bash bench/gpu_run.sh setup|bench1|bench2|cuda_recheck|cudafarm|overhead|speedbatch|gputests|cpu1024|twogpu|features|tiling|peer|tilingpeer|decodefarm|lanes|extras|cudaopts|cudamore|vulkan|vkcheck|peerone|peertwo|peerthree|effprefetch|nextlease|chainlease|i2vmps|lookahead|profile" >&2; exit 2 ;;
 esac
 set -o pipefail
