@@ -24,8 +24,9 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from sdfarm.native import cudnn, memory
+from sdfarm.native.backendlimits import self_attention_mask_values
 from sdfarm.native.devices import Device
-from sdfarm.native.drawsize import UNET_ARCHITECTURES, round_up, size_multiple
+from sdfarm.native.drawsize import UNET_ARCHITECTURES, UNET_MULTIPLE, round_up, size_multiple
 from sdfarm.native.params import SIZE_STEP
 
 VAE_TILE_LATENT = 32
@@ -43,6 +44,16 @@ VIDEO_CHUNK_BYTES_PER_PIXEL = 48 * 1024
 frames (bench/video_memory.py on the CPU; see ModelFacts.video_estimate)."""
 VIDEO_FRAME_BYTES_PER_PIXEL = 1024
 """What every frame adds per pixel (bench/video_memory.py on the CPU)."""
+MASK_BYTES_PER_VALUE = 6
+"""What the UNet's self-attention key mask costs per value, where the latent's token count is
+not a multiple of 256 and the runtime pads the keys with a mask of pad256(tokens) x tokens
+(backendlimits.self_attention_mask_values). Measured on the CPU with the SD 1.x test model at
+1 step (2026-12-03, bench/mask_memory.py): the UNet's compute buffer was 123.07 MB at 512x512
+(4,096 tokens, no mask), 257.07 MB at 576x576 (5,184 tokens: a mask of 27.9 M values) and
+192.17 MB at 640x640 (6,400 tokens, no mask): 101 MB above the line through the other two,
+3.6 bytes a value (the f32 mask). 6 leaves room for its f16 copy beside it. At 1600x1600 that
+is 9.6 GB the growth term never saw: it was measured at 1024x1024, a multiple."""
+
 BATCH_BYTES_PER_PIXEL = 640
 """What each image beyond the first adds per output pixel where a UNet samples a job's images
 together (native/patches/batch_sample.hpp): the UNet's working memory for one more latent.
@@ -115,9 +126,12 @@ class ModelFacts:
         width, height = round_up(width, self.size_multiple), round_up(height, self.size_multiple)
         nw, nh = self.native_size
         per_pixel = self.decode_per_pixel * (2 if encodes else 1)
-        # Beside the decode: a ControlNet's attention scores, and the UNet's further latents.
-        beside = self.control_working(int(width), int(height)) + self.batch_beyond(
-            int(width), int(height), batch
+        # Beside the decode: a ControlNet's attention scores, the UNet's further latents and
+        # its self-attention's key mask.
+        beside = (
+            self.control_working(int(width), int(height))
+            + self.batch_beyond(int(width), int(height), batch)
+            + self.mask_bytes(int(width), int(height))
         )
         if tiled:
             side_w, side_h = min(int(width), VAE_TILE_PIXELS), min(int(height), VAE_TILE_PIXELS)
@@ -146,6 +160,14 @@ class ModelFacts:
                 decode_per_pixel=per_pixel,
             )
         )
+
+    def mask_bytes(self, width: int, height: int) -> int:
+        """A UNet's self-attention key mask at `width` x `height` (MASK_BYTES_PER_VALUE for
+        each value; 0 where the latent's token count is a multiple of 256, and for a DiT,
+        whose size multiple is not a UNet's). A tiled decode does not bound it."""
+        if self.size_multiple != UNET_MULTIPLE:
+            return 0
+        return self_attention_mask_values(width, height) * MASK_BYTES_PER_VALUE
 
     def batch_beyond(self, width: int, height: int, batch: int) -> int:
         """What a job of `batch` images adds over one image where the UNet samples them
