@@ -12,8 +12,8 @@
 // generator seeded with seed + b, as the one-by-one loop draws it, and the sampler's noise (the
 // ancestral samplers') comes from SdfarmBatchRNG, which draws every image's share from that
 // image's own generator. On the CPU backend every kernel computes each image's values as it does
-// for one image alone, so the pixels are the same (tests/integration checks it); a GPU's batched
-// GEMMs may choose other kernels, which move values by a rounding.
+// for one image alone, so the pixels are the same (tests/e2e/test_batch_sampling.py); on CUDA
+// cuBLAS rounds a batched product otherwise, by at most 1/255 on the H200 (docs/gpu.md).
 //
 // Only where nothing else in the call is per image or unsure of a batch: a UNet model, text to
 // image (no init image, ControlNet, reference images, PhotoMaker, concat latent or image
