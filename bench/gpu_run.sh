@@ -812,11 +812,11 @@ options() {
         --sizes 512,1024 --images 4 "$@" --out "$OUT/cuda/cuda-$name-options.json"
 }
 
-# mps_farm TAG BUDGET [CASES]: the farm with 4 engines under MPS at CASES (farm_cases's four
-# by default).
+# mps_farm TAG BUDGET [CASES] [NS]: the farm with NS engines (4 by default) under MPS at CASES
+# (farm_cases's four by default).
 mps_farm() {
     if mps_start; then
-        farm_cases "$1" 4 2 "$2" "${3:-}"
+        farm_cases "$1" "${4:-4}" 2 "$2" "${3:-}"
         mps_stop
     fi
 }
@@ -1268,6 +1268,8 @@ attndefault() {
     fi
 }
 
+BATCH_FOUR="512:4:12:4 512:1:16:4 1024:4:8:4 1024:1:8:4"  # the four cases, 4-image jobs
+
 # batch: build here (not packed), with a job's images sampled together
 # (native/patches/batch_sample.hpp); one engine making jobs of 4 images, sampled together and
 # one by one (SDFARM_BATCH_SAMPLING=0), alternating, and together with the transformer fusions
@@ -1281,21 +1283,15 @@ batch() {
     options batch4 160 --steps 4 --batch 4 --images 2 --variant "together=$base" \
         --variant "one-by-one=$base$off" --variant "together-again=$base" \
         --variant "one-by-one-again=$base$off" --variant "together-unfused=$base$unfused"
-    if mps_start; then
-        farm_cases batch-mps-n8 8 2 70 "${BATCH_CASES:-512:4:12:4 512:1:16:4 1024:4:8:4 1024:1:8:4}"
-        mps_stop
-    fi
+    mps_farm batch-mps-n8 70 "${BATCH_CASES:-$BATCH_FOUR}" 8
 }
 
-# batchtable: batch's build, still here: the farm under MPS with 4-image jobs at N = 8 and 12
-# (BATCH_NS) at the four cases, then the peer's eager batch 1 at 512 and 1024.
+# batchtable: batch's build, still here: the farm under MPS with 4-image jobs at N = BATCH_NS
+# (8) at the four cases (BATCH_CASES), then the peer's eager batch 1 at 512 and 1024.
 batchtable() {
     ensure_cudnn
-    if mps_start; then
-        farm_cases "batch-mps-table${BATCH_TAG:-}" "${BATCH_NS:-8}" 2 "${BATCH_STAGE:-70}" \
-            "${BATCH_CASES:-512:4:12:4 512:1:16:4 1024:4:8:4 1024:1:8:4}"
-        mps_stop
-    fi
+    mps_farm "batch-mps-table${BATCH_TAG:-}" "${BATCH_STAGE:-70}" "${BATCH_CASES:-$BATCH_FOUR}" \
+        "${BATCH_NS:-8}"
     peer_eager batch-lease 1,4
 }
 
